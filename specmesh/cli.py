@@ -1,0 +1,139 @@
+"""`specmesh` command line: `generate` (in-process speculative generation) and `bench engine`.
+
+Parses flags into the core's typed settings and calls the core; no logic of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_DRAFTER = "ngram"
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram | model:PATH | oracle:ALPHA")
+    p.add_argument("--tree-budget", type=int, default=8, help="draft nodes per step (chain: = depth)")
+    p.add_argument("--depth", type=int, default=4, help="maximum draft tree depth")
+    p.add_argument("--target", default=None, help="HF folder, .safetensors or .gguf (default: bundled SmolLM2)")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("SPECMESH_THREADS", "0")) or None,
+                   help="torch threads for this process (default: torch's own choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate in this process with speculative decoding")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"}')
+    _add_generation_flags(g)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="in-process engine vs transformers (see loadtest/bench_engine.py)")
+    be.add_argument("--out", default="bench_engine.json")
+    be.add_argument("--max-tokens", type=int, default=64)
+    be.add_argument("--quick", action="store_true", help="fewer prompts and configurations")
+    be.add_argument("--target", default=None)
+    be.add_argument("--threads", type=int, default=None)
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from specmesh.drafters import parse_drafter_spec
+    from specmesh.engine import SpecConfig, StopConditions, generate_stream, GenerationResult
+    from specmesh.runtime import encode_prompt, load_target, make_drafter, reference_continuation
+    from specmesh.sampling import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    params.validate()
+    kind, arg = parse_drafter_spec(args.drafter)
+    spec = SpecConfig(args.tree_budget, args.depth)
+    spec.validate()
+    model, tok = load_target(args.target)
+    prompt_ids = encode_prompt(tok, args.prompt, args.chat)
+    stop = StopConditions(args.max_tokens, frozenset(_eos_ids(tok)), tuple(args.stop))
+    stop.validate()
+    reference = None
+    if kind == "oracle":
+        print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
+        reference = reference_continuation(model, prompt_ids, stop)
+    drafter = make_drafter(kind, arg, model, reference)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    res = GenerationResult()
+    shown = ""
+    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res):
+        if not args.json:
+            text = _visible(decode(res.token_ids), stop.stop_strings)
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    text = _visible(decode(res.token_ids), stop.stop_strings)
+    stats = res.stats.to_dict() | {"finish_reason": res.finish_reason, "drafter": args.drafter,
+                                   "threads": torch.get_num_threads()}
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": res.token_ids, "stats": stats}))
+    else:
+        print(text[len(shown):])
+        print(_summary(stats), file=sys.stderr)
+    return 0
+
+
+def _visible(text: str, stop_strings: tuple[str, ...]) -> str:
+    """Text up to (not including) the first stop string, as OpenAI-style APIs return it."""
+    cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def _eos_ids(tok) -> list[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    return sorted(ids)
+
+
+def _summary(s: dict) -> str:
+    return (f"[{s['drafter']}] {s['new_tokens']} tokens in {s['total_s']:.2f}s = {s['tokens_per_s']:.1f} tok/s | "
+            f"steps {s['steps']}, drafted {s['drafted_tokens']}, accepted {s['accepted_tokens']} "
+            f"(rate {s['acceptance_rate']:.2f}, {s['tokens_per_step']:.2f} tokens/step) | "
+            f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s | {s['threads']} threads | "
+            f"finish: {s['finish_reason']}")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from loadtest.bench_engine import main as bench_main
+
+    argv = ["--out", args.out, "--max-tokens", str(args.max_tokens)]
+    argv += ["--quick"] if args.quick else []
+    argv += ["--target", args.target] if args.target else []
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    return bench_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t = time.perf_counter()
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+        return _cmd_bench(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specmesh: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if os.environ.get("SPECMESH_DEBUG"):
+            print(f"elapsed {time.perf_counter() - t:.2f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The drafter contract and the one tree-growing loop every drafter shares.
+
+A `Drafter` opens a `DraftSession` per generation (or per served session). The session is told the
+full context once, then after each verification step the committed tokens (accepted + bonus);
+`draft` returns a `DraftTree` whose root is the last context token.
+
+`grow_tree` builds trees level by level. At each level it decides how many children each frontier
+node gets from the frontier's scores alone (the best node gets `width`, the next `width - 1`
+best get one each, within the node budget, keeping one node for every deeper level), then asks
+the drafter's `expand` for that many children per node. For sampling, `expand` draws them
+i.i.d. from a q it reports, so the shape never depends on the children's own values — the
+condition `sampling.verify_sampling` needs to stay lossless. A chain is `budget == depth`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specmesh.sampling import SamplingParams
+from specmesh.tree import ROOT, DraftTree
+
+MAX_WIDTH = 8
+
+
+@dataclass(frozen=True)
+class Children:
+    """What `expand` returns for one node: child tokens, their log-scores, optional sparse q."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    q_ids: list[int] | None = None
+    q_probs: list[float] | None = None
+
+
+# expand(nodes, paths, counts) -> Children per node. Node ids index the tree being grown (ROOT for
+# the root), paths are the draft tokens from the root down to each node (() for the root); the
+# nodes of one call are all at the same depth.
+ExpandFn = Callable[[list[int], list[tuple[int, ...]], list[int]], list[Children]]
+
+
+def tree_width(budget: int, depth: int) -> int:
+    """Children of the best node per level: 1 for a chain, wider as the budget grows."""
+    return max(1, min(MAX_WIDTH, math.ceil(budget / max(depth, 1))))
+
+
+def grow_tree(expand: ExpandFn, budget: int, depth: int) -> DraftTree:
+    depth = min(depth, budget)
+    if depth <= 0:
+        return DraftTree.empty()
+    width = tree_width(budget, depth)
+    tokens: list[int] = []
+    parents: list[int] = []
+    score: dict[int, float] = {ROOT: 0.0}
+    path: dict[int, tuple[int, ...]] = {ROOT: ()}
+    q_nodes: list[int] = []
+    q_ids: list[list[int]] = []
+    q_probs: list[list[float]] = []
+    frontier = [ROOT]
+    for level in range(1, depth + 1):
+        # 1. plan the shape from the frontier's scores only
+        allowed = budget - len(tokens) - (depth - level)
+        ranked = sorted(frontier, key=lambda n: -score[n])[:width]
+        nodes, counts = [], []
+        for i, node in enumerate(ranked):
+            c = min(width if i == 0 else 1, allowed)
+            if c <= 0:
+                break
+            nodes.append(node)
+            counts.append(c)
+            allowed -= c
+        if not nodes:
+            break
+        # 2. expand, 3. attach
+        frontier = []
+        for node, count, kids in zip(nodes, counts, expand(nodes, [path[n] for n in nodes], counts)):
+            assert len(kids.tokens) <= count
+            if kids.q_ids is not None:
+                q_nodes.append(node)
+                q_ids.append(kids.q_ids)
+                q_probs.append(kids.q_probs)
+            for tok, lp in zip(kids.tokens, kids.logprobs):
+                score[len(tokens)] = score[node] + lp
+                path[len(tokens)] = path[node] + (tok,)
+                frontier.append(len(tokens))
+                tokens.append(tok)
+                parents.append(node)
+        if not frontier:
+            break
+    return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)
+
+
+def children_from_probs(
+    probs: torch.Tensor,  # [V] the drafter's distribution for this node's children
+    count: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    q_top: int = 64,
+) -> Children:
+    """Greedy: the `count` most likely tokens. Sampling: `count` i.i.d. draws from q = probs
+    truncated to its `q_top` most likely ids and renormalised, reported exactly (sparse)."""
+    top_p, top_i = probs.topk(min(q_top, probs.shape[0]))  # [K], [K]
+    if params.greedy:
+        return Children(top_i[:count].tolist(), top_p[:count].clamp_min(1e-30).log().tolist())
+    q = top_p.double() / top_p.double().sum()  # [K]
+    keep = q > 0
+    q, ids = q[keep], top_i[keep]
+    draws = torch.multinomial(q, count, replacement=True, generator=generator)  # [count]
+    return Children(
+        ids[draws].tolist(), q[draws].log().tolist(), q_ids=ids.tolist(), q_probs=q.tolist()
+    )
+
+
+class DraftSession(Protocol):
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree: ...
+
+    def commit(self, tokens: list[int]) -> None:
+        """Tokens committed by the verifier since the last call (accepted path + bonus)."""
+
+    def close(self) -> None: ...
+
+
+class Drafter(Protocol):
+    name: str
+
+    def open(self, context: list[int]) -> DraftSession: ...

