@@ -39,6 +39,7 @@ class ModelConfig:
     attention_bias: bool
     max_position_embeddings: int
     architecture: str = "llama"
+    sliding_window: int | None = None  # attention window, where the config turns one on
 
     @staticmethod
     def from_hf(cfg) -> "ModelConfig":
@@ -46,6 +47,9 @@ class ModelConfig:
         if cfg.model_type not in ARCHITECTURES:
             raise ValueError(f"model_type: {cfg.model_type!r} not supported, use one of {ARCHITECTURES}")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        window = getattr(cfg, "sliding_window", None)
+        if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+            window = None
         bias = getattr(cfg, "attention_bias", None)
         if bias is None:
             bias = cfg.model_type == "qwen2"  # Qwen2 has q/k/v biases and no config flag
@@ -62,6 +66,7 @@ class ModelConfig:
             attention_bias=bool(bias),
             max_position_embeddings=cfg.max_position_embeddings,
             architecture=cfg.model_type,
+            sliding_window=window if window and window < cfg.max_position_embeddings else None,
         )
 
 
@@ -184,6 +189,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | None:
         """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]."""
         t = tokens.shape[0]
+        window = self.config.sliding_window
+        if window is not None and start + t > window:
+            # Sliding-window attention is not implemented: refuse rather than silently differ.
+            raise ValueError(f"prompt: context of {start + t} tokens exceeds this model's attention window {window}")
         cache.ensure_capacity(start + t)
         if mask is None and t > 1:
             mask = causal_mask(start, t, tokens.device)

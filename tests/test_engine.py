@@ -1,0 +1,221 @@
+"""The engine on the bundled SmolLM2: greedy output token-identical to transformers' own
+`generate(do_sample=False)` with every drafter, adversarial ones included; sampling reproducible."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specmesh.drafters import NgramDrafter, OracleDrafter
+from specmesh.drafters.model import ModelDrafter
+from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions, generate
+from specmesh.loader import bundled_target_path, model_from_hf, resolve_folder
+from specmesh.runtime import encode_prompt, load_target
+from specmesh.sampling import SamplingParams
+from specmesh.tree import DraftTree
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that adds two numbers.",
+    "Repeat exactly: red green blue, red green blue, red green blue.",
+]
+NEW_TOKENS = 24
+
+
+class AdversarialDrafter:
+    """Drafts garbage on purpose: random tokens in maximal trees, duplicate siblings, or trees
+    that are invalid (out-of-vocabulary ids, parents after children)."""
+
+    name = "adversarial"
+
+    def __init__(self, vocab_size: int, mode: str, seed: int = 0) -> None:
+        self.vocab, self.mode, self.rng = vocab_size, mode, random.Random(seed)
+
+    def open(self, context):
+        return self
+
+    def commit(self, tokens):
+        pass
+
+    def close(self):
+        pass
+
+    def draft(self, budget, depth, params, generator):
+        r = self.rng
+        if self.mode == "invalid":
+            bad = r.choice([DraftTree([self.vocab + 5], [-1]), DraftTree([1, 2], [1, -1]),
+                            DraftTree([1] * (MAX_TREE_NODES + 1), [-1] * (MAX_TREE_NODES + 1))])
+            return bad
+        tokens, parents = [], []
+        for i in range(MAX_TREE_NODES):
+            parent = -1 if i < 4 else r.randrange(-1, i)
+            while parent != -1 and _depth(parents, parent) >= MAX_DEPTH:
+                parent = parents[parent]
+            if self.mode == "duplicates" and i > 0:
+                tokens.append(tokens[0])
+            else:
+                tokens.append(r.randrange(self.vocab))
+            parents.append(parent)
+        kids: dict[int, set[int]] = {}
+        for t, p in zip(tokens, parents):
+            kids.setdefault(p, set()).add(t)
+        q_nodes = sorted(kids)
+        q_ids = [sorted(kids[n]) for n in q_nodes]
+        q_probs = [[1.0 / len(ids)] * len(ids) for ids in q_ids]
+        return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)
+
+
+def _depth(parents, node):
+    d = 1
+    while parents[node] != -1:
+        node, d = parents[node], d + 1
+    return d
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    torch.set_num_threads(2)
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load_target(None)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_folder(bundled_target_path()), dtype=torch.float32).eval()
+    cases = []
+    for text in PROMPTS:
+        ids = encode_prompt(tok, text, chat=True)
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              pad_token_id=tok.eos_token_id)
+        cases.append((ids, out[0, len(ids):].tolist()))
+    return model, tok, hf, cases
+
+
+def _tiny_random_drafter(model):
+    """A random-initialised 2-layer Llama with the target's vocabulary: a real but bad drafter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return ModelDrafter(model_from_hf(cfg, LlamaForCausalLM(cfg).state_dict()))
+
+
+# (drafter, tree budget at depth 4: 4 = chain); adversarial drafters send maximal trees anyway.
+DRAFTERS = [("none", 4), ("ngram", 12), ("self-model", 4), ("self-model", 12), ("random-model", 8),
+            ("oracle-0.7", 4), ("oracle-0.7", 12), ("adv-random", 8), ("adv-duplicates", 8), ("adv-invalid", 8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter, budget", DRAFTERS)
+def test_greedy_identical_to_transformers(bundle, drafter, budget):
+    model, tok, _hf, cases = bundle
+    vocab = model.config.vocab_size
+    for i, (ids, expected) in enumerate(cases[:1] if drafter.startswith("adv") else cases):
+        d = {
+            "none": None, "ngram": NgramDrafter(), "self-model": ModelDrafter(model),
+            "random-model": _tiny_random_drafter(model) if drafter == "random-model" else None,
+            "oracle-0.7": OracleDrafter(ids + expected, 0.7, vocab, seed=i),
+            "adv-random": AdversarialDrafter(vocab, "random", i),
+            "adv-duplicates": AdversarialDrafter(vocab, "duplicates", i),
+            "adv-invalid": AdversarialDrafter(vocab, "invalid", i),
+        }[drafter]
+        stop = StopConditions(NEW_TOKENS, frozenset([tok.eos_token_id]))
+        res = generate(model, ids, SamplingParams(), stop, d, SpecConfig(budget, 4))
+        assert res.token_ids == expected, f"prompt {i} with {drafter}"
+        assert res.stats.new_tokens == len(expected)
+        if drafter == "self-model":  # the target drafting for itself is always right
+            assert res.stats.tokens_per_step >= 3
+        if drafter == "adv-invalid":
+            assert res.stats.rejected_trees == res.stats.steps and res.stats.accepted_tokens == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "self-model", "adv-duplicates"])
+def test_sampling_reproducible_with_seed(bundle, drafter):
+    model, _tok, _hf, cases = bundle
+    ids = cases[0][0]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+    def run(seed_params):
+        d = {"none": None, "self-model": ModelDrafter(model),
+             "adv-duplicates": AdversarialDrafter(model.config.vocab_size, "duplicates")}[drafter]
+        return generate(model, ids, seed_params, StopConditions(16), d, SpecConfig(8, 4)).token_ids
+
+    a, b = run(params), run(params)
+    assert a == b and len(a) == 16
+    other = run(SamplingParams(temperature=0.9, top_p=0.95, seed=99))
+    assert other != a  # a different seed gives a different sample (fails with prob ~0 for 16 tokens)
+
+
+def test_stop_conditions(bundle):
+    model, tok, _hf, cases = bundle
+    ids, expected = cases[0]
+    eos = frozenset([tok.eos_token_id])
+    res = generate(model, ids, SamplingParams(), StopConditions(200, eos), NgramDrafter(), SpecConfig(8, 4))
+    assert res.finish_reason == "stop" and res.token_ids[-1] == tok.eos_token_id
+    assert res.token_ids[:NEW_TOKENS] == expected
+    res = generate(model, ids, SamplingParams(), StopConditions(3, eos), NgramDrafter(), SpecConfig(8, 4))
+    assert res.finish_reason == "length" and res.token_ids == expected[:3]
+    # stop string: generation ends at the token that completes it
+    text = tok.decode(expected)
+    word = text.split()[2]
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    res = generate(model, ids, SamplingParams(), StopConditions(NEW_TOKENS, stop_strings=(word,)), None,
+                   decode=decode)
+    assert res.finish_reason == "stop" and word in decode(res.token_ids)
+    assert word not in decode(res.token_ids[:-1])
+
+
+@pytest.mark.parametrize("bad, field", [
+    (SamplingParams(temperature=-0.5), "temperature"), (SamplingParams(top_p=0.0), "top_p"),
+    (SamplingParams(top_k=-3), "top_k"), (SamplingParams(seed=-1), "seed"),
+])
+def test_bad_sampling_params_rejected(bundle, bad, field):
+    model, _tok, _hf, cases = bundle
+    with pytest.raises(ValueError, match=field):
+        generate(model, cases[0][0], bad, StopConditions(4))
+
+
+@pytest.mark.parametrize("spec, stop, field", [
+    (SpecConfig(0, 4), StopConditions(4), "tree_budget"), (SpecConfig(8, 0), StopConditions(4), "depth"),
+    (SpecConfig(8, 4), StopConditions(0), "max_tokens"),
+])
+def test_bad_generation_settings_rejected(bundle, spec, stop, field):
+    model, _tok, _hf, cases = bundle
+    with pytest.raises(ValueError, match=field):
+        generate(model, cases[0][0], SamplingParams(), stop, None, spec)
+
+
+def test_bad_prompt_ids_rejected(bundle):
+    model = bundle[0]
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, [1, model.config.vocab_size + 3], SamplingParams(), StopConditions(4))
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, [], SamplingParams(), StopConditions(4))
+
+
+@pytest.mark.slow
+def test_cli_json(bundle):
+    _model, tok, _hf, cases = bundle
+    out = subprocess.run(
+        [sys.executable, "-m", "specmesh.cli", "generate", "--prompt", PROMPTS[0], "--chat", "--max-tokens", "12",
+         "--drafter", "ngram", "--json", "--threads", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    obj = json.loads(out.stdout)
+    expected = cases[0][1]
+    n = len(obj["token_ids"])
+    assert obj["token_ids"] == expected[:n] and n >= 1
+    assert obj["text"] == tok.decode(obj["token_ids"], skip_special_tokens=True)
+    assert {"steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_s", "draft_s",
+            "verify_s"} <= set(obj["stats"])
+
+
+def test_cli_bad_flag_is_a_clear_error():
+    out = subprocess.run([sys.executable, "-m", "specmesh.cli", "generate", "--prompt", "hi", "--top-p", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "top_p" in out.stderr
