@@ -119,7 +119,11 @@ class DraftSession(Protocol):
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree: ...
 
     def commit(self, tokens: list[int]) -> None:
-        """Tokens committed by the verifier since the last call (accepted path + bonus)."""
+        """Tokens committed by the verifier since the last call (accepted path + bonus), or new
+        tokens of a follow-up turn."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the context after its first `num_tokens` tokens (undo a speculative commit)."""
 
     def close(self) -> None: ...
 

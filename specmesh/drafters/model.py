@@ -47,6 +47,12 @@ class ModelDraftSession:
         self.cache = None  # type: ignore[assignment]
         self._slot_of = {}
 
+    def rollback(self, num_tokens: int) -> None:
+        assert 1 <= num_tokens <= len(self.context)
+        del self.context[num_tokens:]
+        self.cache.truncate(min(self.cache.length, num_tokens - 1))  # the last token stays pending
+        self._slot_of = {}
+
     def commit(self, tokens: list[int]) -> None:
         # Reuse K/V of accepted nodes fed while drafting (same tokens, same positions, same
         # ancestors: same K/V). The last token always stays pending, to give the next root's logits.

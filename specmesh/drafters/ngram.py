@@ -57,6 +57,10 @@ class NgramSession:
     def commit(self, tokens: list[int]) -> None:
         self.context.extend(tokens)
 
+    def rollback(self, num_tokens: int) -> None:
+        assert 1 <= num_tokens <= len(self.context)
+        del self.context[num_tokens:]
+
     def close(self) -> None:
         self.context = []
 

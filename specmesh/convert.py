@@ -1,0 +1,45 @@
+"""Conversions between core dataclasses and their protobuf messages (specmesh.v1).
+
+Only the services call these. Protobuf's proto3 scalars have no "unset": top_p 0 on the wire
+means 1.0 (off). Nothing is validated here; the core's own validators do that.
+"""
+
+from __future__ import annotations
+
+from specmesh.sampling import SamplingParams
+from specmesh.tree import DraftTree
+from specmesh.v1 import common_pb2
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def tree_from_pb(msg: common_pb2.DraftTree) -> DraftTree:
+    return DraftTree(
+        tokens=list(msg.tokens),
+        parents=list(msg.parents),
+        q_nodes=[d.node for d in msg.q],
+        q_ids=[list(d.ids) for d in msg.q],
+        q_probs=[list(d.probs) for d in msg.q],
+    )
+
+
+def tree_to_pb(tree: DraftTree) -> common_pb2.DraftTree:
+    return common_pb2.DraftTree(
+        tokens=tree.tokens,
+        parents=tree.parents,
+        q=[common_pb2.SparseDist(node=n, ids=i, probs=p) for n, i, p in zip(tree.q_nodes, tree.q_ids, tree.q_probs)],
+    )

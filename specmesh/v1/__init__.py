@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code (proto/specmesh/v1). Do not edit."""
