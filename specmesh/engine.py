@@ -16,10 +16,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
-from specmesh.drafters.base import Drafter
+from specmesh.drafters.base import Drafter, DraftSession
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, VerifyResult, make_generator, verify_tree
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
@@ -168,6 +169,88 @@ def _first_stop(tokens: list[int], start: int, stop: StopConditions,
     return None
 
 
+class TreeSource(Protocol):
+    """Where a turn's draft trees come from: an in-process DraftSession or a remote drafter."""
+
+    def next_tree(self, budget: int) -> DraftTree:
+        """The tree for the next step (at most `budget` nodes wanted); empty = no speculation."""
+
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int]) -> None:
+        """The outcome of verifying `tree`."""
+
+
+class LocalDrafts:
+    """TreeSource over an in-process DraftSession."""
+
+    def __init__(self, session: DraftSession, spec: SpecConfig, params: SamplingParams,
+                 generator: torch.Generator) -> None:
+        self.session, self.spec, self.params, self.generator = session, spec, params, generator
+
+    def next_tree(self, budget: int) -> DraftTree:
+        return self.session.draft(min(budget, self.spec.budget), self.spec.depth, self.params, self.generator)
+
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int]) -> None:
+        self.session.commit(new_tokens)
+
+
+def run_turn(
+    target: TargetSession,
+    source: TreeSource | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+    stop: StopConditions,
+    decode: Callable[[list[int]], str] | None = None,
+    result: GenerationResult | None = None,
+) -> Iterator[list[int]]:
+    """The speculation loop of one turn: draft, validate, verify, commit, stop. Yields the new
+    token ids of each step; fills `result`. Afterwards the target holds exactly the delivered
+    tokens (tokens past a stop or max_tokens are rolled back), so the next turn can extend it."""
+    res = result if result is not None else GenerationResult()
+    st = res.stats
+    vocab = target.model.config.vocab_size
+    out = res.token_ids
+    base = len(target.tokens)
+    t0 = time.perf_counter()
+    while True:
+        # 1. draft
+        tree = DraftTree.empty()
+        if source is not None:
+            t = time.perf_counter()
+            tree = source.next_tree(stop.max_new_tokens - len(out))
+            st.draft_s += time.perf_counter() - t
+            try:
+                validate_tree(tree, vocab, MAX_TREE_NODES, MAX_DEPTH, need_q=not params.greedy)
+            except InvalidTreeError:
+                st.rejected_trees += 1  # a bad drafter only costs speed: verify without it
+                tree = DraftTree.empty()
+        # 2. verify and commit
+        t = time.perf_counter()
+        verdict, new = target.step(tree, params, generator)
+        st.verify_s += time.perf_counter() - t
+        st.steps += 1
+        st.drafted_tokens += len(tree)
+        st.accepted_tokens += len(verdict.accepted)
+        if source is not None:
+            source.committed(tree, verdict, new)
+        # 3. stop conditions
+        before = len(out)
+        out.extend(new)
+        cut = _first_stop(out, before, stop, decode)
+        if cut is not None:
+            del out[cut:]
+            res.finish_reason = "stop"
+        elif len(out) >= stop.max_new_tokens:
+            del out[stop.max_new_tokens:]
+            res.finish_reason = "length"
+        st.new_tokens = len(out)
+        st.total_s = time.perf_counter() - t0
+        if len(out) > before:
+            yield out[before:]
+        if cut is not None or len(out) >= stop.max_new_tokens:
+            target.rollback(base + len(out))
+            return
+
+
 def generate_stream(
     model: Transformer,
     prompt_ids: list[int],
@@ -178,61 +261,25 @@ def generate_stream(
     decode: Callable[[list[int]], str] | None = None,
     result: GenerationResult | None = None,
 ) -> Iterator[list[int]]:
-    """Yield new token ids step by step; fill `result` (stats, finish reason) as it goes."""
+    """One-shot generation in this process. Yields new token ids step by step; fills `result`."""
     params.validate()
     stop.validate()
     spec.validate()
     res = result if result is not None else GenerationResult()
-    st = res.stats
-    st.prompt_tokens = len(prompt_ids)
+    res.stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
     generator = make_generator(params)
     target = TargetSession(model, prompt_ids)
-    draft = drafter.open(prompt_ids) if drafter is not None else None
-    vocab = model.config.vocab_size
-    out = res.token_ids
+    session = drafter.open(prompt_ids) if drafter is not None else None
+    source = LocalDrafts(session, spec, params, generator) if session is not None else None
     try:
-        while True:
-            # 1. draft
-            tree = DraftTree.empty()
-            if draft is not None:
-                t = time.perf_counter()
-                budget = min(spec.budget, stop.max_new_tokens - len(out))
-                tree = draft.draft(budget, spec.depth, params, generator)
-                st.draft_s += time.perf_counter() - t
-                try:
-                    validate_tree(tree, vocab, MAX_TREE_NODES, MAX_DEPTH, need_q=not params.greedy)
-                except InvalidTreeError:
-                    st.rejected_trees += 1  # a bad drafter only costs speed: verify without it
-                    tree = DraftTree.empty()
-            # 2. verify and commit
-            t = time.perf_counter()
-            result, new = target.step(tree, params, generator)
-            st.verify_s += time.perf_counter() - t
-            st.steps += 1
-            st.drafted_tokens += len(tree)
-            st.accepted_tokens += len(result.accepted)
-            if draft is not None:
-                draft.commit(new)
-            # 3. stop conditions
-            before = len(out)
-            out.extend(new)
-            cut = _first_stop(out, before, stop, decode)
-            if cut is not None:
-                del out[cut:]
-                res.finish_reason = "stop"
-            elif len(out) >= stop.max_new_tokens:
-                del out[stop.max_new_tokens:]
-                res.finish_reason = "length"
-            st.new_tokens = len(out)
-            st.total_s = time.perf_counter() - t0
-            if len(out) > before:
-                yield out[before:]
-            if cut is not None or len(out) >= stop.max_new_tokens:
-                return
+        for chunk in run_turn(target, source, params, generator, stop, decode, res):
+            res.stats.total_s = time.perf_counter() - t0  # includes the prefill
+            yield chunk
+        res.stats.total_s = time.perf_counter() - t0
     finally:
-        if draft is not None:
-            draft.close()
+        if session is not None:
+            session.close()
 
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, stop: StopConditions,
