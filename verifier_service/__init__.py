@@ -1,0 +1,1 @@
+"""Verifier service: gRPC server and tensor-parallel worker loop around the specmesh engine."""

@@ -1,0 +1,40 @@
+"""`python -m verifier_service --port P --tp N --target PATH --drafter HOST:PORT ...`"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from verifier_service.config import parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    from specmesh.loader import bundled_target_path, load_model, load_tokenizer
+    from verifier_service.server import build_server, serve_until_signal
+    from verifier_service.turns import Verifier
+
+    path = cfg.target or str(bundled_target_path())
+    tokenizer = load_tokenizer(path)
+    if cfg.tp > 1:
+        from verifier_service.tp_group import start_tp
+
+        model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads)
+    else:
+        model = load_model(path)
+    verifier = Verifier(cfg, model, tokenizer)
+    server, port, hs = build_server(verifier)
+    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads})", flush=True)
+    try:
+        serve_until_signal(server, hs, cfg.grace_s)
+    finally:
+        verifier.shutdown()
+        if cfg.tp > 1:
+            model.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Settings of one verifier process, parsed once at the entry point and passed down."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    host: str = "127.0.0.1"
+    port: int = 0                      # 0 = a free port (printed on start)
+    target: str | None = None          # HF folder, .safetensors or .gguf; None = bundled SmolLM2
+    tp: int = 1                        # tensor-parallel ranks (gloo on CPU, NCCL with CUDA)
+    threads: int = 1                   # torch threads per rank
+    drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
+    budget: int = 8                    # default draft nodes per step
+    depth: int = 4                     # default tree depth
+    pipelined: bool = True             # ask drafters to predraft the next step
+    draft_deadline_s: float = 1.0      # wait at most this long for a tree, then verify without one
+    reconnect_s: float = 2.0           # retry a failed drafter after this long
+    max_sessions: int = 64             # sessions whose KV cache is kept (LRU beyond)
+    max_context_tokens: int = 8192     # history + new tokens of a turn
+    max_new_tokens: int = 2048         # upper bound for max_tokens
+    max_message_bytes: int = 64 << 20  # gRPC message size limit (long prompts)
+    grace_s: float = 5.0               # graceful shutdown: in-flight streams get this long
+
+
+def parse_args(argv: list[str] | None = None) -> VerifierConfig:
+    env = os.environ.get
+    d = VerifierConfig()
+    p = argparse.ArgumentParser(prog="python -m verifier_service", description="specmesh verifier (target model)")
+    p.add_argument("--host", default=env("SPECMESH_HOST", d.host))
+    p.add_argument("--port", type=int, default=int(env("SPECMESH_PORT", d.port)))
+    p.add_argument("--target", default=env("SPECMESH_TARGET", d.target))
+    p.add_argument("--tp", type=int, default=int(env("SPECMESH_TP", d.tp)))
+    p.add_argument("--threads", type=int, default=int(env("SPECMESH_THREADS", d.threads)))
+    p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
+    p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)))
+    p.add_argument("--depth", type=int, default=int(env("SPECMESH_DEPTH", d.depth)))
+    p.add_argument("--no-pipelining", dest="pipelined", action="store_false")
+    p.add_argument("--draft-deadline-s", type=float, default=float(env("SPECMESH_DRAFT_DEADLINE_S", d.draft_deadline_s)))
+    p.add_argument("--reconnect-s", type=float, default=d.reconnect_s)
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--grace-s", type=float, default=d.grace_s)
+    a = p.parse_args(argv)
+    if a.tp < 1 or a.threads < 1:
+        p.error("--tp and --threads must be >= 1")
+    return VerifierConfig(**vars(a))

@@ -1,0 +1,170 @@
+"""The verifier's side of the drafter protocol: one bidirectional `Draft` stream per drafter
+address, multiplexing sessions, and `RemoteDrafts`, the engine's TreeSource over it.
+
+Failure semantics: a drafter that is dead, slow or wrong only costs speed. `next_tree` waits at
+most the step deadline and then returns an empty tree (the verifier decodes one token without
+speculation); the commit of that step is still sent, so the drafter stays in step (a late tree
+for an old step is dropped here). A broken stream marks the link dead: every waiter wakes at once,
+and `LinkPool` opens a new stream after `reconnect_s`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+
+import grpc
+
+from specmesh.convert import sampling_to_pb, tree_from_pb
+from specmesh.engine import SpecConfig
+from specmesh.sampling import SamplingParams, VerifyResult
+from specmesh.tree import DraftTree
+from specmesh.v1 import drafter_pb2 as pb
+from specmesh.v1 import drafter_pb2_grpc
+
+_DEAD = object()  # wakes waiters of a broken link
+
+
+class DrafterLink:
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.alive = True
+        self.failed_at = 0.0
+        self._send: queue.Queue = queue.Queue()
+        self._inbox: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+        opts = [("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel = grpc.insecure_channel(address, options=opts)
+        call = drafter_pb2_grpc.DrafterStub(self._channel).Draft(self._requests())
+        threading.Thread(target=self._read, args=(call,), daemon=True, name=f"drafter-{address}").start()
+
+    def _requests(self):
+        while True:
+            item = self._send.get()
+            if item is None:
+                return
+            yield item
+
+    def _read(self, call) -> None:
+        try:
+            for resp in call:
+                with self._lock:
+                    box = self._inbox.get(resp.session_id)
+                if box is not None:
+                    box.put(resp)
+        except grpc.RpcError:
+            pass  # the drafter went away; speculation stops for its sessions, output does not change
+        self._fail()
+
+    def _fail(self) -> None:
+        with self._lock:
+            self.alive = False
+            self.failed_at = time.monotonic()
+            boxes = list(self._inbox.values())
+        for box in boxes:
+            box.put(_DEAD)
+
+    def open(self, session_id: str, msg: pb.OpenSession) -> None:
+        with self._lock:
+            self._inbox[session_id] = queue.Queue()
+        self._send.put(pb.DrafterRequest(session_id=session_id, open=msg))
+
+    def commit(self, session_id: str, msg: pb.CommitStep) -> None:
+        self._send.put(pb.DrafterRequest(session_id=session_id, commit=msg))
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            self._inbox.pop(session_id, None)
+        if self.alive:
+            self._send.put(pb.DrafterRequest(session_id=session_id, close=pb.CloseSession()))
+
+    def wait_tree(self, session_id: str, step: int, timeout_s: float) -> pb.DraftResponse | None:
+        """The drafter's answer for `step`, or None if it does not come in time or the link died."""
+        with self._lock:
+            box = self._inbox.get(session_id)
+        if box is None or not self.alive:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                resp = box.get(timeout=max(left, 0.0)) if left > 0 else box.get_nowait()
+            except queue.Empty:
+                return None
+            if resp is _DEAD:
+                return None
+            if resp.error or resp.step == step:
+                return resp
+            # an answer for an older step that arrived after its deadline: drop it
+
+    def shutdown(self) -> None:
+        self._send.put(None)
+        self._channel.close()
+
+
+class LinkPool:
+    """One live DrafterLink per address; a dead one is replaced after `reconnect_s`."""
+
+    def __init__(self, max_message_bytes: int, reconnect_s: float) -> None:
+        self._links: dict[str, DrafterLink] = {}
+        self._lock = threading.Lock()
+        self.max_message_bytes = max_message_bytes
+        self.reconnect_s = reconnect_s
+
+    def get(self, address: str) -> DrafterLink | None:
+        with self._lock:
+            link = self._links.get(address)
+            if link is not None and not link.alive:
+                if time.monotonic() - link.failed_at < self.reconnect_s:
+                    return None
+                link.shutdown()
+                link = None
+            if link is None:
+                link = self._links[address] = DrafterLink(address, self.max_message_bytes)
+            return link
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for link in self._links.values():
+                link.shutdown()
+            self._links.clear()
+
+
+class RemoteDrafts:
+    """TreeSource for one turn of one session, drafted by a remote drafter."""
+
+    def __init__(self, link: DrafterLink, session_id: str, context: list[int], params: SamplingParams,
+                 spec: SpecConfig, pipelined: bool, deadline_s: float) -> None:
+        # a fresh drafter-side key per turn: answers still in flight for an earlier turn never mix in
+        self.link, self.sid, self.spec, self.deadline_s = link, f"{session_id}/{uuid.uuid4().hex[:12]}", spec, deadline_s
+        self.step = 0
+        self.usable = True
+        self.timeouts = 0
+        self.predraft_hits = 0
+        link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(params),
+                                             budget=spec.budget, depth=spec.depth, pipelined=pipelined))
+
+    def next_tree(self, budget: int) -> DraftTree:
+        if not (self.usable and self.link.alive):
+            return DraftTree.empty()
+        resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
+        if resp is None:
+            self.timeouts += self.link.alive
+            return DraftTree.empty()
+        if resp.error:
+            self.usable = False  # the drafter closed this session: go on without speculation
+            return DraftTree.empty()
+        self.predraft_hits += resp.predrafted
+        return tree_from_pb(resp.tree)
+
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int]) -> None:
+        if self.usable and self.link.alive:
+            self.link.commit(self.sid, pb.CommitStep(step=self.step, accepted=new_tokens[:-1], bonus=new_tokens[-1],
+                                                     budget=self.spec.budget, depth=self.spec.depth))
+        self.step += 1
+
+    def close(self) -> None:
+        self.link.close_session(self.sid)

@@ -1,0 +1,89 @@
+"""gRPC servicer of the verifier: validate and convert a GenerateRequest, run the turn, convert
+the chunks back. Domain errors map to status codes in `_status_for` (one place)."""
+
+from __future__ import annotations
+
+import grpc
+
+from specmesh.convert import sampling_from_pb
+from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions
+from specmesh.tree import InvalidTreeError
+from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_service.sessions import SessionBusyError
+from verifier_service.turns import Outcome, Turn, Verifier
+
+MAX_STOP_STRINGS = 16
+MAX_SESSION_ID = 256
+
+
+def _status_for(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, SessionBusyError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, (ValueError, InvalidTreeError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, verifier: Verifier) -> None:
+        self.v = verifier
+
+    def to_turn(self, req: verifier_pb2.GenerateRequest) -> Turn:
+        cfg = self.v.cfg
+        if len(req.session_id) > MAX_SESSION_ID:
+            raise ValueError(f"session_id: longer than {MAX_SESSION_ID} characters")
+        kind = req.WhichOneof("input")
+        new_ids = list(req.token_ids.ids) if kind == "token_ids" else []
+        if kind == "text":
+            new_ids = self.v.tokenizer.encode(req.text, add_special_tokens=False)
+        params = sampling_from_pb(req.sampling)
+        params.validate()
+        if req.max_tokens == 0 or req.max_tokens > cfg.max_new_tokens:
+            raise ValueError(f"max_tokens: must be in [1, {cfg.max_new_tokens}], got {req.max_tokens}")
+        if len(req.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
+        self.v.check_ids(list(req.stop_token_ids), "stop_token_ids")
+        stop_ids = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.v.eos_ids)
+        stop = StopConditions(req.max_tokens, stop_ids, tuple(req.stop))
+        stop.validate()
+        o = req.speculation
+        spec = None
+        if not o.disabled:
+            spec = SpecConfig(o.budget or cfg.budget, o.depth or cfg.depth)
+            if not 1 <= spec.budget <= MAX_TREE_NODES:
+                raise ValueError(f"speculation.budget: must be in [1, {MAX_TREE_NODES}], got {spec.budget}")
+            if not 1 <= spec.depth <= MAX_DEPTH:
+                raise ValueError(f"speculation.depth: must be in [1, {MAX_DEPTH}], got {spec.depth}")
+        if o.draft_deadline_s < 0 or o.draft_deadline_s > 60:
+            raise ValueError(f"speculation.draft_deadline_s: must be in [0, 60], got {o.draft_deadline_s}")
+        return Turn(
+            session_id=req.session_id, new_ids=new_ids, params=params, stop=stop,
+            drafter=req.drafter_address or cfg.drafter, spec=spec,
+            pipelined=cfg.pipelined and not o.no_pipelining, deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,
+            history=list(req.history.ids) if req.HasField("history") else None,
+        )
+
+    def Generate(self, request, context):
+        out = Outcome()
+        try:
+            turn = self.to_turn(request)
+            for chunk in self.v.run(turn, context.is_active, out):
+                yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=chunk.token_ids, text=chunk.text))
+        except (ValueError, SessionBusyError) as e:
+            context.abort(_status_for(e), str(e))
+        s = out.result.stats
+        total = max(s.total_s, 1e-9)
+        yield verifier_pb2.GenerateResponse(complete=verifier_pb2.Complete(
+            finish_reason=out.result.finish_reason,
+            usage=verifier_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=s.new_tokens,
+                                     cached_prompt_tokens=out.cached_prompt_tokens),
+            speculation=common_pb2.SpeculationStats(
+                steps=s.steps, drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
+                acceptance_rate=s.acceptance_rate, tokens_per_step=s.tokens_per_step,
+                rejected_trees=s.rejected_trees, drafter_timeouts=out.timeouts,
+                verify_idle_fraction=s.draft_s / total, predraft_hits=out.predraft_hits,
+                draft_s=s.draft_s, verify_s=s.verify_s),
+        ))
+
+    def CloseSession(self, request, context):
+        return verifier_pb2.CloseSessionResponse(existed=self.v.sessions.drop(request.session_id))

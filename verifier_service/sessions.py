@@ -1,0 +1,63 @@
+"""Sessions held by one verifier: each keeps its target KV cache across turns (LRU-bounded).
+
+A follow-up turn prefills only its new tokens. A request carrying the session's full `history`
+(sent by the router when it moved the session here) is checked against what we hold: if it
+matches, the cache is reused; otherwise the session is rebuilt from the history.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from specmesh.engine import TargetSession
+
+
+class SessionBusyError(RuntimeError):
+    """Another turn of the same session is still running."""
+
+
+@dataclass
+class Session:
+    target: TargetSession | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionStore:
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def acquire(self, session_id: str) -> Session:
+        """The session (created empty if new), locked for one turn. Release with `release`."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = self._sessions[session_id] = Session()
+            self._sessions.move_to_end(session_id)
+            if not s.lock.acquire(blocking=False):
+                raise SessionBusyError(f"session_id: session {session_id!r} has a turn in progress")
+            self._evict()
+            return s
+
+    def release(self, session: Session) -> None:
+        session.lock.release()
+
+    def _evict(self) -> None:
+        # drop least recently used idle sessions beyond the bound (their KV caches go with them)
+        for sid in list(self._sessions):
+            if len(self._sessions) <= self.max_sessions:
+                return
+            s = self._sessions[sid]
+            if s.lock.acquire(blocking=False):
+                del self._sessions[sid]
+                s.lock.release()
+
+    def drop(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,153 @@
+"""One turn of one session on this verifier: place the new tokens in the session's KV cache,
+run the speculation loop with the session's drafter, stream tokens and text deltas.
+
+Transport-free: the servicer converts protobuf to a `Turn` and `Event`s back to protobuf.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, run_turn
+from specmesh.sampling import SamplingParams, make_generator
+from verifier_service.config import VerifierConfig
+from verifier_service.drafter_link import LinkPool, RemoteDrafts
+from verifier_service.sessions import SessionStore
+
+
+@dataclass(frozen=True)
+class Turn:
+    session_id: str                  # "" = one-shot
+    new_ids: list[int]
+    params: SamplingParams
+    stop: StopConditions
+    drafter: str                     # host:port or ""
+    spec: SpecConfig | None          # None = no speculation
+    pipelined: bool
+    deadline_s: float
+    history: list[int] | None = None  # full history to rebuild from (failover)
+
+
+@dataclass
+class Outcome:
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    result: GenerationResult = field(default_factory=GenerationResult)
+    timeouts: int = 0
+    predraft_hits: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+
+
+class Verifier:
+    def __init__(self, cfg: VerifierConfig, model, tokenizer) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+        self.sessions = SessionStore(cfg.max_sessions)
+        self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_ids(self, ids: list[int], name: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} outside vocabulary [0, {self.vocab_size})")
+
+    def run(self, turn: Turn, is_active: Callable[[], bool], out: Outcome) -> Iterator[Chunk]:
+        """Yield chunks of the turn; fill `out`. Raises ValueError / SessionBusyError on bad input."""
+        self.check_ids(turn.new_ids, "token_ids")
+        if turn.history is not None:
+            self.check_ids(turn.history, "history")
+        context_len = len(turn.history or []) + len(turn.new_ids)
+        if turn.session_id and turn.history is None:
+            pass  # the held session's length is checked below
+        elif context_len == 0:
+            raise ValueError("input: a turn needs at least one token")
+        if context_len > self.cfg.max_context_tokens:
+            raise ValueError(f"input: {context_len} tokens exceed max_context_tokens {self.cfg.max_context_tokens}")
+        sid = turn.session_id or f"oneshot-{uuid.uuid4().hex}"
+        session = self.sessions.acquire(sid)
+        try:
+            target = self._place(session, turn, out)
+            yield from self._speculate(sid, target, turn, is_active, out)
+        finally:
+            self.sessions.release(session)
+            if not turn.session_id:
+                self.sessions.drop(sid)
+
+    def _place(self, session, turn: Turn, out: Outcome) -> TargetSession:
+        # 1. reuse the held KV cache where it matches, else rebuild from the history
+        t = session.target
+        if turn.history is not None and (t is None or t.tokens != turn.history):
+            t = session.target = None
+        if t is None:
+            context = (turn.history or []) + turn.new_ids
+            if not context:
+                raise ValueError("input: unknown session and no tokens to start it")
+            session.target = TargetSession(self.model, context)
+            out.prompt_tokens = len(context)
+            return session.target
+        if len(t.tokens) + len(turn.new_ids) > self.cfg.max_context_tokens:
+            raise ValueError(f"input: session would hold more than max_context_tokens {self.cfg.max_context_tokens}")
+        out.cached_prompt_tokens = len(t.tokens)
+        t.extend(turn.new_ids)
+        out.prompt_tokens = len(t.tokens)
+        return t
+
+    def _speculate(self, sid: str, target: TargetSession, turn: Turn, is_active: Callable[[], bool],
+                   out: Outcome) -> Iterator[Chunk]:
+        params = turn.params
+        generator = make_generator(params)
+        link = self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
+        source = None
+        if link is not None:
+            source = RemoteDrafts(link, sid, list(target.tokens), params, turn.spec, turn.pipelined, turn.deadline_s)
+        res = out.result
+        res.stats.prompt_tokens = out.prompt_tokens
+        shown = ""
+        t0 = time.perf_counter()
+        try:
+            for ids in run_turn(target, source, params, generator, turn.stop, self.decode, res):
+                text = self._visible(res.token_ids, turn.stop.stop_strings)
+                yield Chunk(ids, text[len(shown):])
+                shown = text
+                if not is_active():
+                    res.finish_reason = "cancelled"
+                    break
+            out.finish_reason = res.finish_reason
+            final = self._visible(res.token_ids, turn.stop.stop_strings, final=True)
+            if len(final) > len(shown):
+                yield Chunk([], final[len(shown):])
+        finally:
+            res.stats.total_s = time.perf_counter() - t0
+            if source is not None:
+                out.timeouts, out.predraft_hits = source.timeouts, source.predraft_hits
+                source.close()
+
+    def _visible(self, ids: list[int], stop_strings: tuple[str, ...], final: bool = False) -> str:
+        """Text safe to show: cut at a stop string; while streaming, hold back an incomplete UTF-8
+        character and any tail that could still become a stop string."""
+        text = self.decode(ids)
+        cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
+        if cut >= 0:
+            return text[:cut]
+        if final:
+            return text
+        text = text.rstrip("\ufffd")
+        hold = max((k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]
+
+    def shutdown(self) -> None:
+        self.links.shutdown()
