@@ -91,6 +91,10 @@ class TargetSession:
         self.pending = new[-1]
         return result, new
 
+    def close(self) -> None:
+        """Free the KV cache (on every rank, under tensor parallelism)."""
+        self.cache.close()
+
     def rollback(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` committed tokens (drop tokens never delivered)."""
         assert 1 <= num_tokens <= len(self.tokens)

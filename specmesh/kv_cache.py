@@ -35,6 +35,7 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    @torch.inference_mode()
     def ensure_capacity(self, needed: int) -> None:
         """Grow (by doubling) so that slots [0, needed) exist; keeps all current contents."""
         if needed <= self.capacity:
@@ -57,6 +58,7 @@ class KVCache:
         """K, V of slots [0, end) for one layer: `[H_kv, end, D]` each (views, no copy)."""
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
+    @torch.inference_mode()  # the buffers may be inference tensors (grown inside a forward)
     def commit(self, slots: list[int]) -> None:
         """Append scratch `slots` (each >= length, in order) to the committed prefix."""
         if not slots:
@@ -70,6 +72,11 @@ class KVCache:
             self.k[:, :, dst] = self.k[:, :, src]
             self.v[:, :, dst] = self.v[:, :, src]
         self.length += n
+
+    def close(self) -> None:
+        """Release the buffers (the session is gone)."""
+        self.k = self.v = torch.zeros(0, 0, 0, 0)
+        self.length = 0
 
     def truncate(self, length: int) -> None:
         """Forget committed slots from `length` on (rollback to an earlier point)."""

@@ -10,6 +10,7 @@ from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopCondition
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.sessions import SessionBusyError
+from verifier_service.tp_group import TPGroupError
 from verifier_service.turns import Outcome, Turn, Verifier
 
 MAX_STOP_STRINGS = 16
@@ -17,6 +18,8 @@ MAX_SESSION_ID = 256
 
 
 def _status_for(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, TPGroupError):
+        return grpc.StatusCode.UNAVAILABLE  # a tensor-parallel rank died: this verifier is out
     if isinstance(exc, SessionBusyError):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, (ValueError, InvalidTreeError)):
@@ -69,7 +72,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             turn = self.to_turn(request)
             for chunk in self.v.run(turn, context.is_active, out):
                 yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=chunk.token_ids, text=chunk.text))
-        except (ValueError, SessionBusyError) as e:
+        except (ValueError, SessionBusyError, TPGroupError) as e:
             context.abort(_status_for(e), str(e))
         s = out.result.stats
         total = max(s.total_s, 1e-9)

@@ -24,6 +24,12 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _close(s: Session) -> None:
+    if s.target is not None:
+        s.target.close()
+        s.target = None
+
+
 class SessionStore:
     def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
@@ -53,11 +59,19 @@ class SessionStore:
             s = self._sessions[sid]
             if s.lock.acquire(blocking=False):
                 del self._sessions[sid]
+                _close(s)
                 s.lock.release()
 
     def drop(self, session_id: str) -> bool:
+        """Forget a session; its KV cache is freed once no turn uses it."""
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            s = self._sessions.pop(session_id, None)
+        if s is None:
+            return False
+        if s.lock.acquire(blocking=False):
+            _close(s)
+            s.lock.release()
+        return True
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -1,0 +1,495 @@
+"""A tensor-parallel target: one model over N ranks (processes), driven by rank 0.
+
+Rank 0 is the verifier process (it serves gRPC); `start_tp` starts ranks 1..N-1 as child processes
+(`python -m verifier_service.tp_group`), and every rank loads the full model and keeps its shard
+(`specmesh.tp.apply_tp`). Rank 0 gets a `TPModel`: the interface the engine uses (`forward` /
+`__call__`, `new_cache`, `config`), whose caches (`TPCache`) have KVCache's `length`, `commit`,
+`truncate` and `ensure_capacity`. Each op is replayed on every rank, then all run the same forward
+with their shard (all-reducing inside); only rank 0 computes logits.
+
+Protocol (rank 0 -> ranks 1..N-1, torch.distributed broadcasts over a gloo group, CPU tensors; no
+pickling). An op is a header `int64[HEADER_LEN] = [op, cache_id, a, b, c, 0, ...]`, then:
+    FORWARD   cache_id, start, T, mask_cols (0: no mask)  + int64[2, T] tokens/positions
+                                                            + uint8[T, mask_cols] mask, if any
+    COMMIT    cache_id, n                                 + int64[n] slots
+    TRUNCATE  cache_id, length      ENSURE  cache_id, needed      NEW  cache_id, capacity
+    FREE      cache_id              NOOP    (heartbeat)           STOP
+Caches are named by integer ids chosen by rank 0. One lock on rank 0 makes each op (broadcasts and
+rank 0's own part) atomic, so sessions in concurrent threads never interleave. A cache is freed
+on every rank by `TPCache.close()`, or after it is garbage collected (queued by `__del__`, sent
+before the next op: a finalizer must not broadcast, it may run in the middle of a forward).
+With NCCL (when CUDA is present) rank r computes on cuda:r and all-reduces over NCCL; control
+messages still travel over a separate gloo group, so they never wait on a GPU stream.
+
+Failures: nothing waits forever. Every collective has the group's `timeout_s`; an idle rank 0
+sends NOOP every `timeout_s / 4` so idle workers never time out. Before each op rank 0 checks its
+children: a dead worker is seen at once. A worker that dies mid-op closes its sockets, so rank 0
+fails at once; one that stalls fails rank 0 after `timeout_s`. Either way the TPModel becomes
+**broken**: it kills the remaining workers and every call raises `TPGroupError` (the verifier
+should report itself unhealthy and restart; the router rebuilds sessions from their history).
+Workers exit when rank 0 goes away (closed sockets) or stalls (timeout). Bad input (a
+`ValueError`, raised alike by every rank before any collective) leaves the group usable.
+One TPModel per process: it owns torch.distributed's default group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from enum import IntEnum
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from specmesh.kv_cache import MIN_CAPACITY, KVCache
+from specmesh.loader import load_model, resolve_folder
+from specmesh.model import ModelConfig, Transformer
+from specmesh.tp import apply_tp, check_world_size, tp_all_reduce
+
+HEADER_LEN = 8
+ADDR = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 600.0  # every rank loading the model
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class Op(IntEnum):
+    STOP = 1
+    NOOP = 2
+    NEW = 3
+    FREE = 4
+    FORWARD = 5
+    COMMIT = 6
+    TRUNCATE = 7
+    ENSURE = 8
+
+
+class TPGroupError(RuntimeError):
+    """The TP group is unusable: a rank died or stalled past the timeout, or it was shut down."""
+
+
+def _commit(cache: KVCache, slots: list[int]) -> None:
+    # A cache grown inside a forward holds inference tensors, which only accept in-place
+    # updates (commit's gather) inside inference mode.
+    with torch.inference_mode():
+        cache.commit(slots)
+
+
+class TPCache:
+    """One session's KV cache over all ranks: rank 0's shard (`local`), the same id on the others."""
+
+    def __init__(self, owner: TPModel, cache_id: int, local: KVCache) -> None:
+        self.closed = False
+        self._owner, self.id, self.local = owner, cache_id, local
+
+    @property
+    def length(self) -> int:
+        return self.local.length
+
+    @property
+    def capacity(self) -> int:
+        return self.local.capacity
+
+    def commit(self, slots: list[int]) -> None:
+        if slots:
+            slots = [int(s) for s in slots]
+            self._owner._op([Op.COMMIT, self.id, len(slots)], [torch.tensor(slots, dtype=torch.int64)],
+                            lambda: _commit(self.local, slots), local_first=True)
+
+    def truncate(self, length: int) -> None:
+        self._owner._op([Op.TRUNCATE, self.id, length], [], lambda: self.local.truncate(length), local_first=True)
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            self._owner._op([Op.ENSURE, self.id, needed], [], lambda: self.local.ensure_capacity(needed),
+                            local_first=True)
+
+    def close(self) -> None:
+        """Free this cache on every rank now (a no-op once closed, or once the group is gone)."""
+        if not self.closed:
+            self.closed = True
+            self._owner._free(self.id)
+
+    def __del__(self) -> None:
+        if not self.closed:
+            self._owner._to_free.append(self.id)  # deque.append is thread-safe; sent by the next op
+
+
+class TPModel:
+    """Rank 0's handle on the group, with the engine's model interface."""
+
+    def __init__(self, model: Transformer, device: torch.device, workers: Sequence[subprocess.Popen] = (),
+                 group: dist.ProcessGroup | None = None, store: dist.Store | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.model = model  # rank 0's shard
+        self.config: ModelConfig = model.config
+        self.device = device
+        self.world_size = 1 + len(workers)
+        self._workers = list(workers)
+        self._group, self._store = group, store
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._to_free: deque[int] = deque()
+        self._error: str | None = None
+        self._closed = False
+        self._last_op = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat_s = timeout_s / 4
+        self._beat: threading.Thread | None = None
+        if self._workers:
+            self._beat = threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True)
+            self._beat.start()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers]
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closed and self._error is None and all(p.poll() is None for p in self._workers)
+
+    def new_cache(self, capacity: int = MIN_CAPACITY) -> TPCache:
+        cid = next(self._ids)
+        local = self._op([Op.NEW, cid, capacity], [], lambda: self.model.new_cache(capacity), local_first=True)
+        return TPCache(self, cid, local)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cache: TPCache,
+        start: int,
+        mask: torch.Tensor | None = None,  # [T, start + T] bool; None = causal
+        logits_rows: torch.Tensor | slice | None = slice(None),
+    ) -> torch.Tensor | None:
+        """`Transformer.forward` on every rank; logits [R, vocab] on `tokens`' device, from rank 0."""
+        t = self._check_forward(tokens, positions, cache, start, mask)
+        dev = self.device
+
+        def rank0() -> torch.Tensor | None:
+            m = None if mask is None else mask.to(dev)
+            out = self.model(tokens.to(dev), positions.to(dev), cache.local, start, m, logits_rows)
+            return None if out is None else out.to(tokens.device)
+
+        header = [Op.FORWARD, cache.id, start, t, 0 if mask is None else mask.shape[1]]
+        payload: list[torch.Tensor] = []
+        if self._workers:
+            payload.append(torch.stack([tokens.cpu(), positions.cpu()]).to(torch.int64))  # [2, T]
+            if mask is not None:
+                payload.append(mask.cpu().to(torch.uint8))  # [T, S]
+        return self._op(header, payload, rank0)
+
+    __call__ = forward
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop and reap the workers and destroy the process group. Idempotent."""
+        self._stop.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._workers and self._error is None:
+                try:
+                    self._send([Op.STOP], [])
+                except TPGroupError:
+                    pass  # recorded and logged by _fail, which also killed the workers
+            deadline = time.monotonic() + grace_s
+            for p in self._workers:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("tp: worker %d did not stop within %.0f s; killing it", p.pid, grace_s)
+                    p.kill()
+                    p.wait()
+            if self._workers and dist.is_initialized():
+                dist.destroy_process_group()
+        if self._beat is not None:
+            self._beat.join()
+
+    def __enter__(self) -> TPModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _check_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TPCache, start: int,
+                       mask: torch.Tensor | None) -> int:
+        """Refuse bad input on rank 0, before any rank sees it."""
+        if not isinstance(cache, TPCache) or cache._owner is not self:
+            raise ValueError("cache: not a cache of this TPModel")
+        if cache.closed:
+            raise ValueError("cache: closed")
+        if tokens.dim() != 1 or tokens.shape[0] < 1 or positions.shape != tokens.shape:
+            raise ValueError(f"forward: need tokens [T>=1] and positions [T], got {list(tokens.shape)}, "
+                             f"{list(positions.shape)}")
+        t = tokens.shape[0]
+        if start < 0:
+            raise ValueError(f"forward: start must be >= 0, got {start}")
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (t, start + t)):
+            raise ValueError(f"forward: mask must be bool [{t}, {start + t}], got {mask.dtype} {list(mask.shape)}")
+        return t
+
+    def _op(self, header: list[int], payload: Sequence[torch.Tensor], rank0: Callable[[], R],
+            local_first: bool = False) -> R:
+        """Run one op on every rank, atomically. `local_first`: rank 0's part has no collective and
+        may refuse (assert) the op, so it runs before the others are told."""
+        with self._lock:
+            self._check()
+            self._flush_frees()
+            if local_first:
+                result = rank0()
+                self._send(header, payload)
+                return result
+            self._send(header, payload)
+            try:
+                return rank0()
+            except ValueError:
+                raise  # refused by every rank alike, before any collective: the group stays in step
+            except Exception as e:
+                self._fail(f"tp: rank 0 failed in {Op(header[0]).name}: {e!r}")
+                raise TPGroupError(self._error) from e
+
+    def _send(self, header: list[int], payload: Sequence[torch.Tensor]) -> None:
+        if not self._workers:
+            return
+        h = torch.tensor([int(x) for x in header] + [0] * (HEADER_LEN - len(header)), dtype=torch.int64)
+        try:
+            dist.broadcast(h, src=0, group=self._group)
+            for x in payload:
+                dist.broadcast(x.contiguous(), src=0, group=self._group)
+        except Exception as e:
+            self._fail(f"tp: broadcast of {Op(header[0]).name} failed: {e!r}")
+            raise TPGroupError(self._error) from e
+        self._last_op = time.monotonic()
+
+    def _check(self) -> None:
+        """Raise TPGroupError if the group is shut down, broken, or has lost a worker."""
+        if self._closed:
+            raise TPGroupError("tp: the group was shut down")
+        if self._error is None:
+            for rank, p in enumerate(self._workers, 1):
+                if p.poll() is not None:
+                    self._fail(f"tp: rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+                    break
+        if self._error is not None:
+            raise TPGroupError(self._error)
+
+    def _fail(self, reason: str) -> None:
+        """Mark the group broken (first reason wins) and kill the workers: it cannot recover."""
+        if self._error is None:
+            self._error = reason
+            log.error("%s; the TP group is broken", reason)
+        for p in self._workers:
+            if p.poll() is None:
+                p.kill()
+
+    def _flush_frees(self) -> None:
+        while self._to_free:
+            self._send([Op.FREE, self._to_free.popleft()], [])
+
+    def _free(self, cache_id: int) -> None:
+        with self._lock:
+            if self._closed or self._error is not None:
+                return
+            self._flush_frees()
+            self._send([Op.FREE, cache_id], [])
+
+    def _heartbeat(self) -> None:
+        """Keep idle workers from timing out, notice dead ones, and free collected caches."""
+        while not self._stop.wait(self._heartbeat_s):
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._check()
+                    self._flush_frees()
+                    if time.monotonic() - self._last_op >= self._heartbeat_s:
+                        self._send([Op.NOOP], [])
+                except TPGroupError:
+                    return  # recorded by _fail; callers get it on their next op
+
+
+# --- starting the group ---------------------------------------------------------------------------
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _init_group(backend: str, store: dist.Store, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup | None:
+    """Join the default group; return the group control messages use (None: the default one)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _load_shard(folder: Path, rank: int, world: int, dtype: torch.dtype, device: torch.device) -> Transformer:
+    model = load_model(folder, dtype)
+    return apply_tp(model, rank, world, partial(tp_all_reduce, group=None)).to(device)
+
+
+def _spawn(rank: int, world: int, port: int, folder: Path, backend: str, threads: int, dtype: torch.dtype,
+           timeout_s: float) -> subprocess.Popen:
+    env = dict(os.environ, MASTER_ADDR=ADDR, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS=str(threads))
+    root = str(Path(__file__).resolve().parents[1])  # so `-m verifier_service.tp_group` imports from any cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "verifier_service.tp_group", "--target", str(folder), "--backend", backend,
+           "--threads", str(threads), "--dtype", str(dtype).removeprefix("torch."), "--timeout-s", str(timeout_s)]
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+
+def _wait_ready(store: dist.Store, workers: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait until every worker has loaded its shard; fail fast if one exits while loading."""
+    keys = [f"ready/{rank}" for rank in range(1, len(workers) + 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        for rank, p in enumerate(workers, 1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tp: rank {rank} exited with code {p.returncode} while starting (see its stderr)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tp: workers not ready after {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def start_tp(target_path: str | os.PathLike, world_size: int, threads_per_rank: int = 1, backend: str | None = None,
+             *, dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPModel:
+    """Load `target_path` over `world_size` ranks: this process is rank 0, the others its children.
+
+    backend: "nccl" if CUDA is available else "gloo" (NCCL: rank r on cuda:r). Sets this
+    process's torch threads to `threads_per_rank`, as each worker does. `world_size` 1: no process
+    group, no workers. Call `shutdown()` (or use `with`) when done.
+    """
+    if threads_per_rank < 1:
+        raise ValueError(f"tp: threads_per_rank must be >= 1, got {threads_per_rank}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"tp: backend must be 'gloo' or 'nccl', got {backend!r}")
+    torch.set_num_threads(threads_per_rank)
+    folder = resolve_folder(target_path)  # converts a GGUF once, here, not in N processes at once
+    from transformers import AutoConfig
+
+    check_world_size(ModelConfig.from_hf(AutoConfig.from_pretrained(folder)), world_size)
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"tp: {world_size} ranks need {world_size} GPUs, found {torch.cuda.device_count()}")
+    device = _device(backend, 0)
+    if world_size == 1:
+        return TPModel(load_model(folder, dtype).to(device), device)
+    if dist.is_initialized():
+        raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
+    store = dist.TCPStore(ADDR, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=START_TIMEOUT_S))
+    workers = [_spawn(rank, world_size, store.port, folder, backend, threads_per_rank, dtype, timeout_s)
+               for rank in range(1, world_size)]
+    try:
+        model = load_model(folder, dtype)  # while the workers load theirs
+        _wait_ready(store, workers, START_TIMEOUT_S)
+        group = _init_group(backend, store, 0, world_size, timeout_s)
+        model = apply_tp(model, 0, world_size, partial(tp_all_reduce, group=None)).to(device)
+    except BaseException:
+        for p in workers:
+            p.kill()
+            p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return TPModel(model, device, workers, group, store, timeout_s)
+
+
+# --- ranks 1..N-1 ---------------------------------------------------------------------------------
+
+
+def _recv(shape: tuple[int, ...], dtype: torch.dtype, group: dist.ProcessGroup | None) -> torch.Tensor:
+    x = torch.empty(shape, dtype=dtype)
+    dist.broadcast(x, src=0, group=group)
+    return x
+
+
+@torch.inference_mode()
+def serve(model: Transformer, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Replay rank 0's ops on this rank's shard until STOP."""
+    caches: dict[int, KVCache] = {}
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    while True:
+        dist.broadcast(header, src=0, group=group)
+        op, cid, a, b, c = header.tolist()[:5]
+        if op == Op.STOP:
+            return
+        if op == Op.NOOP:
+            continue
+        if op == Op.NEW:
+            caches[cid] = model.new_cache(a)
+        elif op == Op.FREE:
+            del caches[cid]
+        elif op == Op.FORWARD:
+            tp = _recv((2, b), torch.int64, group).to(device)  # [2, T] tokens; positions
+            mask = _recv((b, c), torch.uint8, group).to(device).bool() if c else None  # [T, S]
+            try:
+                model(tp[0], tp[1], caches[cid], a, mask, logits_rows=None)
+            except ValueError as e:
+                log.info("forward refused (as on rank 0): %s", e)
+        elif op == Op.COMMIT:
+            caches[cid].commit(_recv((a,), torch.int64, group).tolist())
+        elif op == Op.TRUNCATE:
+            caches[cid].truncate(a)
+        elif op == Op.ENSURE:
+            caches[cid].ensure_capacity(a)
+        else:
+            raise AssertionError(f"tp: unknown op {op}")
+
+
+def run_worker(folder: Path, rank: int, world: int, port: int, backend: str, dtype: torch.dtype,
+               timeout_s: float) -> None:
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", ADDR), port, world, is_master=False,
+                          timeout=timedelta(seconds=START_TIMEOUT_S))
+    device = _device(backend, rank)
+    model = _load_shard(folder, rank, world, dtype, device)
+    store.set(f"ready/{rank}", "1")
+    group = _init_group(backend, store, rank, world, timeout_s)
+    serve(model, group, device)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A TP worker rank (1..N-1) of a verifier; started by start_tp. "
+                                "Reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.")
+    p.add_argument("--target", required=True, help="HF folder of the target (already resolved by rank 0)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    args = p.parse_args(argv)
+    rank, world, port = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    logging.basicConfig(level=logging.INFO, format=f"tp rank {rank}: %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    try:
+        run_worker(Path(args.target), rank, world, port, args.backend, getattr(torch, args.dtype), args.timeout_s)
+    except Exception as e:  # rank 0 gone or stalled (closed sockets / timeout), or a bug: say so and exit
+        log.error("exiting: %r", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (~2 s with torch loaded): shutdown() waits on it
