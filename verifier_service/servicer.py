@@ -62,7 +62,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return Turn(
             session_id=req.session_id, new_ids=new_ids, params=params, stop=stop,
             drafter=req.drafter_address or cfg.drafter, spec=spec,
-            pipelined=cfg.pipelined and not o.no_pipelining, deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,
+            # a seeded request must not depend on timing: whether a predraft hits does, so it drafts in turn
+            pipelined=cfg.pipelined and not o.no_pipelining and params.seed is None, deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,
             history=list(req.history.ids) if req.HasField("history") else None,
         )
 

@@ -5,12 +5,16 @@ This fixes the per-token acceptance rate at alpha so that system efficiency can 
 the theoretical bound of DESIGN.md. An optional `draft_cost_s` sleeps per tree level to model a
 drafter of a given cost (the draft/target cost ratio c). Greedy only in spirit: under sampling it
 proposes with q one-hot on each proposed token, which is exact (lossless) but not informative.
+
+A drafter serving many sessions (the drafter service) holds several references: each session
+replays the one sharing the longest prefix with its context, re-chosen when the context leaves it.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -27,14 +31,40 @@ class OracleDrafter:
         """`reference`: the full token sequence (prompt + the target's continuation)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
-        self.reference = list(reference)
+        self.references = [list(reference)]
         self.alpha = alpha
         self.vocab_size = vocab_size
         self.seed = seed
         self.draft_cost_s = draft_cost_s
 
+    @classmethod
+    def from_references(cls, references: Sequence[Sequence[int]], alpha: float, vocab_size: int,
+                        seed: int = 0, draft_cost_s: float = 0.0) -> "OracleDrafter":
+        """An oracle for many sessions: one reference (prompt + continuation) per known prompt."""
+        if not references:
+            raise ValueError("reference: at least one reference sequence is required")
+        drafter = cls(references[0], alpha, vocab_size, seed, draft_cost_s)
+        drafter.references = [list(r) for r in references]
+        return drafter
+
+    @property
+    def reference(self) -> list[int]:
+        return self.references[0]
+
+    def pick(self, context: list[int]) -> list[int]:
+        """The reference sharing the longest prefix with `context` (the first one on ties)."""
+        return max(self.references, key=lambda ref: _common_prefix(ref, context))
+
     def open(self, context: list[int]) -> "OracleSession":
         return OracleSession(self, list(context))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class OracleSession:
@@ -42,6 +72,7 @@ class OracleSession:
         self.d = drafter
         self.context = context
         self.rng = random.Random(drafter.seed)
+        self.ref = drafter.pick(context)
 
     def commit(self, tokens: list[int]) -> None:
         self.context.extend(tokens)
@@ -60,7 +91,10 @@ class OracleSession:
                 return t
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
-        ref, n = self.d.reference, len(self.context)
+        n = len(self.context)
+        if self.ref[:n] != self.context and len(self.d.references) > 1:
+            self.ref = self.d.pick(self.context)
+        ref = self.ref
         on_track = ref[:n] == self.context
 
         def expand(_nodes: list[int], paths: list[tuple[int, ...]], counts: list[int]) -> list[Children]:

@@ -1,0 +1,71 @@
+"""`python -m drafter_service`: parse flags (or SPECMESH_* environment variables) into a
+DrafterServiceConfig, set torch's threads, serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from drafter_service.config import DEFAULT_VOCAB_SIZE, DrafterServiceConfig
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPECMESH_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DrafterServiceConfig()
+    p = argparse.ArgumentParser(prog="python -m drafter_service",
+                                description="specmesh drafter service (gRPC specmesh.v1.Drafter).")
+    p.add_argument("--host", default=_env("HOST", d.host))
+    p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))), help="0 = pick a free port")
+    p.add_argument("--drafter", default=_env("DRAFTER", d.drafter), help="ngram | model:PATH | oracle:ALPHA")
+    p.add_argument("--oracle-reference", default=os.environ.get("SPECMESH_ORACLE_REFERENCE"),
+                   help="oracle: JSON list of token-id sequences (prompt + the target's continuation)")
+    p.add_argument("--draft-cost-s", type=float, default=float(_env("DRAFT_COST_S", "0")),
+                   help="oracle: seconds to sleep per tree level (a drafter of that cost)")
+    p.add_argument("--vocab-size", type=int, default=int(_env("VOCAB_SIZE", str(DEFAULT_VOCAB_SIZE))),
+                   help="oracle: vocabulary size (default: the bundled SmolLM2's)")
+    p.add_argument("--seed", type=int, default=int(_env("SEED", "0")), help="oracle: corruption seed")
+    p.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", str(d.max_sessions))),
+                   help="sessions kept (least recently used evicted beyond)")
+    p.add_argument("--idle-timeout-s", type=float, default=float(_env("IDLE_TIMEOUT_S", str(d.idle_timeout_s))))
+    p.add_argument("--threads", type=int, default=int(_env("THREADS", str(d.threads))), help="torch threads")
+    p.add_argument("--max-streams", type=int, default=int(_env("MAX_STREAMS", str(d.max_streams))))
+    p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", str(d.grace_s))))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = DrafterServiceConfig(
+        drafter=args.drafter, host=args.host, port=args.port, oracle_reference=args.oracle_reference,
+        draft_cost_s=args.draft_cost_s, vocab_size=args.vocab_size, seed=args.seed,
+        max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s, threads=args.threads,
+        max_streams=args.max_streams, grace_s=args.grace_s,
+    )
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        print(f"drafter_service: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    from drafter_service.server import serve
+
+    torch.set_num_threads(cfg.threads)
+    try:
+        serve(cfg)
+    except (ValueError, OSError) as exc:
+        print(f"drafter_service: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

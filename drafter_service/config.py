@@ -1,0 +1,58 @@
+"""Settings of the drafter service: one frozen dataclass, parsed once at the entry point
+(`python -m drafter_service`, flags or SPECMESH_* environment variables) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specmesh.drafters import parse_drafter_spec
+
+DEFAULT_VOCAB_SIZE = 49152  # the bundled SmolLM2's vocabulary (oracle only)
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class DrafterServiceConfig:
+    drafter: str = "ngram"  # ngram | model:PATH | oracle:ALPHA
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    oracle_reference: str | None = None  # JSON file: list of token-id sequences (prompt + continuation)
+    draft_cost_s: float = 0.0  # oracle only: sleep per tree level
+    vocab_size: int = DEFAULT_VOCAB_SIZE  # oracle only (the model drafter takes its own)
+    seed: int = 0  # oracle only: seed of its corruption
+    max_sessions: int = 256
+    idle_timeout_s: float = 600.0
+    threads: int = 1  # torch threads
+    max_streams: int = 64  # concurrent Draft streams (one worker thread each)
+    grace_s: float = 2.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    @property
+    def kind(self) -> str:
+        return parse_drafter_spec(self.drafter)[0]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting if one is bad."""
+        kind, _ = parse_drafter_spec(self.drafter)
+        if kind == "none":
+            raise ValueError("drafter: a drafter service needs a drafter: ngram, model:PATH or oracle:ALPHA")
+        if kind == "oracle" and not self.oracle_reference:
+            raise ValueError("oracle_reference: the oracle drafter needs --oracle-reference FILE")
+        if kind != "oracle" and self.draft_cost_s:
+            raise ValueError("draft_cost_s: only the oracle drafter models a draft cost")
+        if self.draft_cost_s < 0:
+            raise ValueError(f"draft_cost_s: must be >= 0, got {self.draft_cost_s}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.vocab_size < 2:
+            raise ValueError(f"vocab_size: must be >= 2, got {self.vocab_size}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions: must be >= 1, got {self.max_sessions}")
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
+        if self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams: must be >= 1, got {self.max_streams}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")

@@ -1,0 +1,102 @@
+"""The drafter service's gRPC server: builds the drafter from the settings, serves Drafter plus
+grpc.health.v1 (SERVING) and reflection, sweeps idle sessions, and stops gracefully (`stop(grace)`)
+on SIGTERM/SIGINT. No drafting logic here: that is the servicer's core (`DraftAhead`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from drafter_service.config import DrafterServiceConfig
+from drafter_service.servicer import DrafterServicer
+from drafter_service.sessions import SessionStore
+from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
+from specmesh.drafters.base import Drafter
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DRAFTER_SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+MAX_SWEEP_INTERVAL_S = 30.0
+
+
+def load_references(path: str, vocab_size: int) -> list[list[int]]:
+    """The oracle's references: a JSON list of token-id sequences (prompt + continuation)."""
+    data = json.loads(Path(path).read_text())
+    ok = isinstance(data, list) and data and all(
+        isinstance(r, list) and r and all(isinstance(t, int) and 0 <= t < vocab_size for t in r) for r in data)
+    if not ok:
+        raise ValueError(f"oracle_reference: {path} must hold a non-empty JSON list of non-empty lists "
+                         f"of token ids in [0, {vocab_size})")
+    return data
+
+
+def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
+    """(drafter, vocabulary size its sessions accept; None = any id >= 0)."""
+    kind, arg = parse_drafter_spec(cfg.drafter)
+    if kind == "ngram":
+        return NgramDrafter(), None
+    if kind == "oracle":
+        assert cfg.oracle_reference is not None
+        refs = load_references(cfg.oracle_reference, cfg.vocab_size)
+        oracle = OracleDrafter.from_references(refs, float(arg), cfg.vocab_size, cfg.seed, cfg.draft_cost_s)
+        return oracle, cfg.vocab_size
+    if kind == "model":
+        from specmesh.drafters.model import ModelDrafter
+        from specmesh.loader import load_model
+
+        model = load_model(arg)
+        return ModelDrafter(model), model.config.vocab_size
+    raise ValueError(f"drafter: {cfg.drafter!r} cannot be served")
+
+
+def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | None,
+                 store: SessionStore) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """A started server (Drafter, health, reflection); returns it, its health servicer and port."""
+    options = [("grpc.max_send_message_length", cfg.max_message_bytes),
+               ("grpc.max_receive_message_length", cfg.max_message_bytes)]
+    # Each Draft stream holds a worker for its lifetime; beyond the bound, RPCs are refused
+    # (RESOURCE_EXHAUSTED) rather than left waiting. The extra workers serve health checks.
+    workers = cfg.max_streams + 4
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
+                         options=options, maximum_concurrent_rpcs=workers)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, store, vocab_size), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise OSError(f"port: cannot listen on {cfg.host}:{cfg.port}")
+    server.start()
+    for name in ("", DRAFTER_SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, port
+
+
+def serve(cfg: DrafterServiceConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully. Prints the listening line once serving."""
+    drafter, vocab_size = build_drafter(cfg)
+    store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s)
+    server, health_servicer, port = start_server(cfg, drafter, vocab_size, store)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"drafter_service listening on {cfg.host}:{port}", flush=True)
+    log.info("drafter %s, at most %d sessions, idle timeout %gs", cfg.drafter, cfg.max_sessions, cfg.idle_timeout_s)
+    sweep_every = min(MAX_SWEEP_INTERVAL_S, cfg.idle_timeout_s / 2)
+    while not stop.wait(sweep_every):
+        store.sweep()
+    log.info("stopping (grace %gs)", cfg.grace_s)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(cfg.grace_s).wait()
+    store.close_all()
+    sys.stdout.flush()

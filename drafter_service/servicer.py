@@ -1,0 +1,194 @@
+"""The Drafter gRPC servicer: one bidirectional `Draft` stream per verifier connection, many
+sessions multiplexed on it. Validate, convert, call `specmesh.drafters.predraft.DraftAhead`.
+
+Protocol, as this service implements it:
+- OpenSession -> DraftResponse{step=0, position=len(context), tree}. Opening an id that exists
+  replaces that session (a verifier rebuilding it after a reconnect).
+- CommitStep{step} must name the step of the tree last sent for the session. It appends
+  accepted + [bonus] and answers with the tree for step + 1, rooted at the new position;
+  predrafted=true when it came from the predraft (pipelining hit).
+- ExtendSession{tokens} appends the tokens (a follow-up turn; the tree last sent is dropped
+  unverified) and answers with a fresh tree for step = last step + 1: steps count the trees
+  sent for a session, 0, 1, 2, ..., whatever caused them.
+- CloseSession drops the session; no answer (unknown ids included).
+- Any bad request for a session (unknown or evicted id, wrong step, token id outside the
+  vocabulary (ngram: any id >= 0), budget outside [1, 64], depth outside [1, 16], bad sampling
+  settings, empty context) -> DraftResponse{session_id, error="<field>: <message>"}, and the
+  session is closed. The stream and the other sessions go on untouched.
+- Sessions belong to the service, not to a stream: a commit may come on another stream, and a
+  stream that ends leaves its sessions to the LRU / idle eviction.
+
+Requests are read by a separate thread into a queue, so that the stream's loop sees them
+promptly: it answers requests first, and predrafts (one tree at a time, oldest answer first)
+only while no request waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import grpc
+
+from drafter_service.sessions import SessionStore
+from specmesh.convert import sampling_from_pb, tree_to_pb
+from specmesh.drafters.base import Drafter
+from specmesh.drafters.predraft import DraftAhead, StepTree
+from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_END = object()  # end of the request stream
+
+
+class RequestError(ValueError):
+    """A bad request for one session; the message starts with the offending field."""
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """specmesh.v1.Drafter over a shared SessionStore; see the module docstring for the protocol."""
+
+    def __init__(self, drafter: Drafter, store: SessionStore, vocab_size: int | None) -> None:
+        """`vocab_size`: token ids must be below it; None (ngram) accepts any id >= 0."""
+        self.drafter = drafter
+        self.store = store
+        self.vocab_size = vocab_size
+
+    def Draft(self, request_iterator: Iterator[drafter_pb2.DrafterRequest],
+              context: grpc.ServicerContext) -> Iterator[drafter_pb2.DraftResponse]:
+        inbox: queue.Queue = queue.Queue()
+        context.add_callback(lambda: inbox.put(_END))
+        threading.Thread(target=_pump, args=(request_iterator, inbox), daemon=True,
+                         name="drafter-requests").start()
+        ahead: OrderedDict[str, None] = OrderedDict()  # sessions to predraft, oldest answer first
+        while True:
+            try:
+                req = inbox.get_nowait()
+            except queue.Empty:
+                if ahead:
+                    sid, _ = ahead.popitem(last=False)
+                    failed = self._predraft(sid)
+                    if failed is not None:
+                        yield failed
+                    continue
+                req = inbox.get()
+            if req is _END:
+                return
+            resp, session = self.handle(req)
+            if resp is None:
+                continue
+            yield resp
+            if session is not None and session.pipelined:
+                ahead.pop(resp.session_id, None)
+                ahead[resp.session_id] = None
+
+    def handle(self, req: drafter_pb2.DrafterRequest) -> tuple[drafter_pb2.DraftResponse | None, DraftAhead | None]:
+        """Answer one request: (response or None, the session answered for predrafting)."""
+        sid = req.session_id
+        kind = req.WhichOneof("kind")
+        try:
+            if not sid:
+                raise RequestError("session_id: must not be empty")
+            if kind == "close":
+                self.store.pop(sid)
+                return None, None
+            if kind == "open":
+                session, step = self._open(sid, req.open)
+            elif kind == "commit":
+                c = req.commit
+                session = self._session(sid)
+                _check_shape(c.budget, c.depth)
+                self._check_tokens("accepted", c.accepted)
+                self._check_tokens("bonus", [c.bonus])
+                step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth)
+            elif kind == "extend":
+                e = req.extend
+                session = self._session(sid)
+                _check_shape(e.budget, e.depth)
+                self._check_tokens("tokens", e.tokens)
+                step = session.extend(list(e.tokens), e.budget, e.depth)
+            else:
+                raise RequestError("kind: one of open, extend, commit or close is required")
+        except ValueError as exc:
+            return self._fail(sid, str(exc)), None
+        except Exception as exc:  # a drafter bug must not take the stream and its other sessions down
+            log.exception("session %r: %s request failed", sid, kind)
+            return self._fail(sid, f"internal: {type(exc).__name__}: {exc}"), None
+        return _response(sid, step), session
+
+    def _open(self, sid: str, o: drafter_pb2.OpenSession) -> tuple[DraftAhead, StepTree]:
+        self.store.pop(sid)  # opening an existing id replaces it
+        params = sampling_from_pb(o.sampling)
+        params.validate()
+        _check_shape(o.budget, o.depth)
+        if not o.context:
+            raise RequestError("context: must hold at least one token")
+        self._check_tokens("context", o.context)
+        context = list(o.context)
+        session = DraftAhead(self.drafter.open(context), len(context), params, o.pipelined)
+        try:
+            step = session.first(o.budget, o.depth)
+        except BaseException:
+            session.close()
+            raise
+        self.store.put(sid, session)
+        return session, step
+
+    def _session(self, sid: str) -> DraftAhead:
+        session = self.store.get(sid)
+        if session is None:
+            raise RequestError(f"session_id: unknown session {sid!r} (never opened, closed or evicted)")
+        return session
+
+    def _predraft(self, sid: str) -> drafter_pb2.DraftResponse | None:
+        session = self.store.get(sid, touch=False)
+        if session is None:
+            return None
+        try:
+            session.predraft()
+        except ValueError as exc:  # closed or evicted meanwhile: its next request says so
+            if not session.closed:
+                return self._fail(sid, str(exc))
+        except Exception as exc:
+            log.exception("session %r: predraft failed", sid)
+            return self._fail(sid, f"internal: predraft failed: {type(exc).__name__}: {exc}")
+        return None
+
+    def _fail(self, sid: str, error: str) -> drafter_pb2.DraftResponse:
+        if sid:
+            self.store.pop(sid)
+        return drafter_pb2.DraftResponse(session_id=sid, error=error)
+
+    def _check_tokens(self, field: str, ids) -> None:
+        vocab = self.vocab_size
+        for t in ids:
+            if t < 0 or (vocab is not None and t >= vocab):
+                bound = f"[0, {vocab})" if vocab is not None else "[0, 2**31)"
+                raise RequestError(f"{field}: token id {t} outside vocabulary {bound}")
+
+
+def _check_shape(budget: int, depth: int) -> None:
+    if not 1 <= budget <= MAX_TREE_NODES:
+        raise RequestError(f"budget: must be in [1, {MAX_TREE_NODES}], got {budget}")
+    if not 1 <= depth <= MAX_DEPTH:
+        raise RequestError(f"depth: must be in [1, {MAX_DEPTH}], got {depth}")
+
+
+def _response(sid: str, st: StepTree) -> drafter_pb2.DraftResponse:
+    return drafter_pb2.DraftResponse(session_id=sid, step=st.step, position=st.position,
+                                     tree=tree_to_pb(st.tree), predrafted=st.predrafted)
+
+
+def _pump(requests: Iterator[drafter_pb2.DrafterRequest], inbox: queue.Queue) -> None:
+    """Move requests into the inbox as they arrive; _END when the stream ends or breaks."""
+    try:
+        for req in requests:
+            inbox.put(req)
+    except grpc.RpcError as exc:  # cancelled or broken by the client: the stream just ends
+        log.debug("request stream ended: %s", exc)
+    finally:
+        inbox.put(_END)

@@ -1,0 +1,499 @@
+"""The drafter service as a real process on 127.0.0.1: trees at the right positions, predraft hits
+and misses, many sessions on one stream, errors confined to their session, LRU and idle
+eviction, health and reflection, graceful exit on SIGTERM; with the ngram, oracle and model
+drafters. The verifier's side is simulated here by committing outcomes chosen by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from drafter_service.sessions import SessionStore
+from specmesh.convert import tree_from_pb
+from specmesh.drafters import NgramDrafter
+from specmesh.drafters.predraft import DraftAhead, main_path, pick_predrafted, predraft_shape
+from specmesh.sampling import SamplingParams, make_generator
+from specmesh.tree import DraftTree, validate_tree
+from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = SamplingParams()
+START_TIMEOUT_S = 120
+REPLY_TIMEOUT_S = 30
+VERIFY_S = 0.05  # simulated verification time: the drafter predrafts meanwhile
+MODEL_VERIFY_S = 0.3
+
+
+class Service:
+    """`python -m drafter_service` on a free port; stopped by `stop()`."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.log = open(tmp / f"drafter_service_{os.getpid()}_{time.monotonic_ns()}.log", "w+")
+        cmd = [sys.executable, "-m", "drafter_service", "--port", "0", "--threads", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("drafter_service listening on "):
+            self.stop()
+            raise RuntimeError(f"service did not start: {line!r}\n{self.stderr()}")
+        self.address = line.split()[-1]
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stream(self) -> "Stream":
+        return Stream(self.stub)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if hasattr(self, "channel"):
+            self.channel.close()
+        self.log.close()
+
+
+class Stream:
+    """One Draft stream: `send` requests, `recv` responses (with a timeout)."""
+
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub) -> None:
+        self.requests: queue.Queue = queue.Queue()
+        self.responses: queue.Queue = queue.Queue()
+        self.call = stub.Draft(iter(self.requests.get, None))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for r in self.call:
+                self.responses.put(r)
+        except grpc.RpcError as exc:
+            self.responses.put(exc)
+
+    def send(self, sid: str, **kind) -> None:
+        self.requests.put(drafter_pb2.DrafterRequest(session_id=sid, **kind))
+
+    def open(self, sid: str, context: list[int], budget: int = 8, depth: int = 4, pipelined: bool = True,
+             sampling: common_pb2.SamplingParams | None = None) -> None:
+        self.send(sid, open=drafter_pb2.OpenSession(context=context, budget=budget, depth=depth,
+                                                    pipelined=pipelined, sampling=sampling))
+
+    def commit(self, sid: str, step: int, accepted: list[int], bonus: int, budget: int = 8, depth: int = 4) -> None:
+        self.send(sid, commit=drafter_pb2.CommitStep(step=step, accepted=accepted, bonus=bonus,
+                                                     budget=budget, depth=depth))
+
+    def recv(self, timeout: float = REPLY_TIMEOUT_S) -> drafter_pb2.DraftResponse:
+        r = self.responses.get(timeout=timeout)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    def ask(self, sid: str, **kind) -> drafter_pb2.DraftResponse:
+        self.send(sid, **kind)
+        r = self.recv()
+        assert r.session_id == sid
+        return r
+
+    def close(self) -> None:
+        self.requests.put(None)
+
+
+def _service(request, tmp_path_factory, *args: str) -> Service:
+    svc = Service(tmp_path_factory.mktemp("drafter"), *args)
+    request.addfinalizer(svc.stop)
+    return svc
+
+
+@pytest.fixture(scope="module")
+def ngram(request, tmp_path_factory) -> Service:
+    return _service(request, tmp_path_factory, "--drafter", "ngram")
+
+
+def _ngram_fresh(context: list[int], budget: int, depth: int) -> DraftTree:
+    return NgramDrafter().open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
+
+
+def _ngram_predraft(context: list[int], tree: DraftTree, budget: int, depth: int) -> tuple[list[int], DraftTree]:
+    """In-process: the main path the service predrafts from, and its predraft tree."""
+    h = [tree.tokens[i] for i in main_path(tree)]
+    return h, _ngram_fresh(context + h, *predraft_shape(budget, depth))
+
+
+def _context(seed: int, n: int = 60, vocab: int = 12) -> list[int]:
+    """A repetitive context (the ngram drafter finds continuations in it)."""
+    r = random.Random(seed)
+    motifs = [[r.randrange(vocab) for _ in range(r.randint(3, 6))] for _ in range(3)]
+    out: list[int] = []
+    while len(out) < n:
+        out += r.choice(motifs) if r.random() < 0.8 else [r.randrange(vocab)]
+    return out
+
+
+# --- health, reflection, basic protocol ---
+
+def test_health_serving_and_reflection(ngram: Service) -> None:
+    health = health_pb2_grpc.HealthStub(ngram.channel)
+    for name in ("", "specmesh.v1.Drafter"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ngram.channel)
+    replies = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert "specmesh.v1.Drafter" in names and "grpc.health.v1.Health" in names
+
+
+def test_ngram_hit_miss_extend_give_the_right_trees(ngram: Service) -> None:
+    s = ngram.stream()
+    ctx = [1, 2, 3, 4, 5] * 4 + [1, 2]
+    r = s.ask("a", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4, pipelined=True))
+    assert (r.error, r.step, r.position, r.predrafted) == ("", 0, len(ctx), False)
+    tree = tree_from_pb(r.tree)
+    assert tree == _ngram_fresh(ctx, 8, 4) and len(tree) > 0
+
+    # 1. a hit: the main path accepted whole, the bonus under one of the predraft's root children
+    time.sleep(VERIFY_S)
+    h, p = _ngram_predraft(ctx, tree, 8, 4)
+    bonus = p.tokens[0]
+    s.commit("a", 0, h, bonus)
+    r = s.recv()
+    ctx += h + [bonus]
+    assert (r.error, r.step, r.position, r.predrafted) == ("", 1, len(ctx), True)
+    assert tree_from_pb(r.tree) == pick_predrafted(p, bonus, 8, 4)
+
+    # 2. a miss (a shorter accepted path, another shape): a fresh tree from the committed point
+    time.sleep(VERIFY_S)
+    h = [r.tree.tokens[i] for i in main_path(tree_from_pb(r.tree))]
+    s.commit("a", 1, h[:1], 5, budget=6, depth=3)
+    r = s.recv()
+    ctx += h[:1] + [5]
+    assert (r.error, r.step, r.position, r.predrafted) == ("", 2, len(ctx), False)
+    assert tree_from_pb(r.tree) == _ngram_fresh(ctx, 6, 3)
+
+    # 3. a follow-up turn: new tokens appended, a fresh tree for the next step
+    time.sleep(VERIFY_S)
+    r = s.ask("a", extend=drafter_pb2.ExtendSession(tokens=[9, 1, 2, 3], budget=8, depth=4))
+    ctx += [9, 1, 2, 3]
+    assert (r.error, r.step, r.position, r.predrafted) == ("", 3, len(ctx), False)
+    assert tree_from_pb(r.tree) == _ngram_fresh(ctx, 8, 4)
+    s.send("a", close=drafter_pb2.CloseSession())
+    s.commit("a", 3, [], 1)
+    assert s.recv().error.startswith("session_id:")
+    s.close()
+
+
+def test_eight_sessions_interleaved_on_one_stream(ngram: Service) -> None:
+    s = ngram.stream()
+    contexts = {f"s{i}": _context(i) for i in range(8)}
+    trees: dict[str, DraftTree] = {}
+    for sid, ctx in contexts.items():
+        s.open(sid, ctx, budget=8, depth=4)
+    for _ in contexts:
+        r = s.recv()
+        assert r.error == "" and r.position == len(contexts[r.session_id])
+        trees[r.session_id] = tree_from_pb(r.tree)
+        assert trees[r.session_id] == _ngram_fresh(contexts[r.session_id], 8, 4)
+    rng = random.Random(0)
+    hits = 0
+    for step in range(6):
+        time.sleep(VERIFY_S)
+        expected = {}
+        for sid in rng.sample(sorted(contexts), len(contexts)):  # a new order every round
+            ctx, tree = contexts[sid], trees[sid]
+            h, p = _ngram_predraft(ctx, tree, 8, 4)
+            if rng.random() < 0.5 and p.tokens:  # the outcome the service predrafted for
+                accepted, bonus = h, p.tokens[0]
+            else:
+                accepted, bonus = h[: rng.randrange(len(h) + 1)], rng.randrange(12)
+            s.commit(sid, step, accepted, bonus)
+            ctx += accepted + [bonus]
+            hit = pick_predrafted(p, bonus, 8, 4) if accepted == h else None
+            expected[sid] = (hit, _ngram_fresh(ctx, 8, 4))
+        for _ in contexts:
+            r = s.recv()
+            sid = r.session_id
+            assert (r.error, r.step, r.position) == ("", step + 1, len(contexts[sid]))
+            trees[sid] = tree_from_pb(r.tree)
+            hit, fresh = expected[sid]
+            assert trees[sid] == (hit if r.predrafted else fresh), sid
+            assert not r.predrafted or hit is not None
+            hits += r.predrafted
+    assert hits > 0
+    s.close()
+
+
+def test_bad_requests_get_an_error_naming_the_field(ngram: Service) -> None:
+    s = ngram.stream()
+    ctx = _context(1)
+    assert s.ask("ok", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    sampling = common_pb2.SamplingParams
+    bad = [
+        ("x1", dict(commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=8, depth=4)), "session_id:"),
+        ("", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)), "session_id:"),
+        ("x2", dict(open=drafter_pb2.OpenSession(context=ctx, budget=0, depth=4)), "budget:"),
+        ("x3", dict(open=drafter_pb2.OpenSession(context=ctx, budget=65, depth=4)), "budget:"),
+        ("x4", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=17)), "depth:"),
+        ("x5", dict(open=drafter_pb2.OpenSession(context=[], budget=8, depth=4)), "context:"),
+        ("x6", dict(open=drafter_pb2.OpenSession(context=[1, -3], budget=8, depth=4)), "context:"),
+        ("x7", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4,
+                                                 sampling=sampling(temperature=-1))), "temperature:"),
+        ("x8", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4,
+                                                 sampling=sampling(temperature=1, top_p=1.5))), "top_p:"),
+        ("x9", {}, "kind:"),
+    ]
+    for sid, kind, field in bad:
+        r = s.ask(sid, **kind)
+        assert r.error.startswith(field), (sid, r.error)
+        assert not r.HasField("tree") or len(r.tree.tokens) == 0
+    # errors inside a live session close it; the others keep working
+    assert s.ask("v", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    for kind, field in [(dict(step=5, bonus=1, budget=8, depth=4), "step:"),
+                        (dict(step=0, accepted=[-1], bonus=1, budget=8, depth=4), "accepted:"),
+                        (dict(step=0, bonus=-2, budget=8, depth=4), "bonus:"),
+                        (dict(step=0, bonus=1, budget=8, depth=0), "depth:")]:
+        assert s.ask("v", commit=drafter_pb2.CommitStep(**kind)).error.startswith(field)
+        assert s.ask("v", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=8, depth=4)).error.startswith(
+            "session_id:"), "the session was closed by its error"
+        assert s.ask("v", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    r = s.ask("ok", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=ctx[0], budget=8, depth=4))
+    assert (r.error, r.step, r.position) == ("", 1, len(ctx) + 1)
+    assert tree_from_pb(r.tree) == _ngram_fresh(ctx + [ctx[0]], 8, 4)
+    s.close()
+
+
+def test_sessions_outlive_their_stream(ngram: Service) -> None:
+    ctx = _context(7)
+    first = ngram.stream()
+    assert first.ask("moved", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    first.close()
+    second = ngram.stream()
+    r = second.ask("moved", commit=drafter_pb2.CommitStep(step=0, bonus=3, budget=4, depth=2))
+    assert (r.error, r.step, r.position) == ("", 1, len(ctx) + 1)
+    second.close()
+
+
+# --- eviction ---
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ahead(context: list[int]) -> DraftAhead:
+    return DraftAhead(NgramDrafter().open(context), len(context), GREEDY, pipelined=True)
+
+
+def test_session_store_lru_idle_and_replace() -> None:
+    clock = _Clock()
+    store = SessionStore(max_sessions=2, idle_timeout_s=10, clock=clock)
+    a, b, c = (_ahead([1, 2, 3]) for _ in range(3))
+    store.put("a", a)
+    store.put("b", b)
+    assert store.get("a") is a  # "a" is now the most recently used
+    store.put("c", c)
+    assert store.get("b") is None and b.closed and not a.closed and len(store) == 2
+    clock.now = 8.0
+    assert store.get("c", touch=False) is c  # predrafting does not keep a session alive
+    assert store.get("a") is a
+    clock.now = 10.5  # "c" idle for 10.5 s: evicted; "a" for 2.5 s
+    assert store.get("c") is None and c.closed and store.get("a") is a
+    clock.now = 10.5 + 10.1
+    assert store.sweep() == 1 and a.closed and len(store) == 0
+    assert store.evicted == 3
+    d, e = _ahead([1, 2]), _ahead([1, 2])
+    store.put("d", d)
+    store.put("d", e)  # opening an existing id replaces (and closes) the old session
+    assert d.closed and store.get("d") is e
+    store.pop("d")
+    assert e.closed and len(store) == 0
+
+
+@pytest.fixture(scope="module")
+def small(request, tmp_path_factory) -> Service:
+    return _service(request, tmp_path_factory, "--drafter", "ngram", "--max-sessions", "2", "--idle-timeout-s", "3")
+
+
+def test_lru_eviction_and_idle_timeout(small: Service) -> None:
+    s = small.stream()
+    ctx = _context(3)
+    for sid in ("a", "b"):
+        assert s.ask(sid, open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=2)).error == ""
+    # "a" used last, so opening "c" evicts "b"
+    assert s.ask("a", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error == ""
+    assert s.ask("c", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=2)).error == ""
+    assert s.ask("b", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error.startswith("session_id:")
+    assert s.ask("a", commit=drafter_pb2.CommitStep(step=1, bonus=1, budget=4, depth=2)).error == ""
+    assert s.ask("c", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error == ""
+    time.sleep(3.5)  # idle past the 3 s timeout: evicted
+    assert s.ask("a", commit=drafter_pb2.CommitStep(step=2, bonus=1, budget=4, depth=2)).error.startswith("session_id:")
+    s.close()
+
+
+# --- oracle ---
+
+VOCAB = 1000
+
+
+def _reference(seed: int, length: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(VOCAB) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def oracle(request, tmp_path_factory) -> tuple[Service, list[list[int]]]:
+    refs = [_reference(i, 400) for i in range(3)]
+    path = tmp_path_factory.mktemp("oracle") / "reference.json"
+    path.write_text(json.dumps(refs))
+    svc = _service(request, tmp_path_factory, "--drafter", "oracle:1.0", "--oracle-reference", str(path),
+                   "--vocab-size", str(VOCAB), "--draft-cost-s", "0.002")
+    return svc, refs
+
+
+def _verify_against(reference: list[int], position: int, tree: DraftTree) -> tuple[list[int], int]:
+    """A verifier whose target continues with `reference`: accepted = the longest prefix of the
+    main path that matches it, bonus = the next reference token."""
+    accepted = []
+    for i in main_path(tree):
+        if tree.tokens[i] != reference[position + len(accepted)]:
+            break
+        accepted.append(tree.tokens[i])
+    return accepted, reference[position + len(accepted)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_oracle_predraft_hit_rate(oracle, temperature: float) -> None:
+    svc, refs = oracle
+    s = svc.stream()
+    sessions = {f"o{i}": (ref, 20 + 10 * i) for i, ref in enumerate(refs)}  # prompts of different lengths
+    sampling = common_pb2.SamplingParams(temperature=temperature, seed=5)
+    for sid, (ref, prompt) in sessions.items():
+        s.open(sid, ref[:prompt], budget=8, depth=4, sampling=sampling)
+    replies = {r.session_id: r for r in (s.recv() for _ in sessions)}
+    hits = steps = 0
+    for step in range(20):
+        time.sleep(VERIFY_S)
+        for sid, (ref, _) in sessions.items():
+            r = replies[sid]
+            assert r.error == "" and r.step == step
+            tree = tree_from_pb(r.tree)
+            validate_tree(tree, VOCAB, 64, 16, need_q=temperature > 0)
+            accepted, bonus = _verify_against(ref, r.position, tree)
+            assert len(accepted) == len(main_path(tree)) == 4, "alpha = 1: the main path is the reference"
+            s.commit(sid, step, accepted, bonus)
+        for _ in sessions:
+            r = s.recv()
+            prev = replies[r.session_id]
+            assert r.position == prev.position + 5
+            replies[r.session_id] = r
+            hits += r.predrafted
+            steps += 1
+    assert hits / steps > 0.5, f"predraft hit rate {hits}/{steps}"
+    s.close()
+
+
+def test_oracle_checks_the_vocabulary(oracle) -> None:
+    svc, refs = oracle
+    s = svc.stream()
+    r = s.ask("v", open=drafter_pb2.OpenSession(context=[1, VOCAB], budget=8, depth=4))
+    assert r.error.startswith("context:") and str(VOCAB) in r.error
+    assert s.ask("v", open=drafter_pb2.OpenSession(context=refs[0][:10], budget=8, depth=4)).error == ""
+    r = s.ask("v", commit=drafter_pb2.CommitStep(step=0, accepted=[VOCAB + 1], bonus=0, budget=8, depth=4))
+    assert r.error.startswith("accepted:")
+    s.close()
+
+
+# --- model ---
+
+@pytest.fixture(scope="module")
+def model(request, tmp_path_factory) -> tuple[Service, Path]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return _service(request, tmp_path_factory, "--drafter", f"model:{path}"), path
+
+
+def test_model_drafter_greedy_and_sampling(model) -> None:
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.loader import load_model
+
+    svc, path = model
+    drafter = ModelDrafter(load_model(path))
+
+    def fresh(context: list[int], budget: int, depth: int) -> DraftTree:
+        return drafter.open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
+
+    s = svc.stream()
+    ctx = [random.Random(0).randrange(256) for _ in range(20)]
+    r = s.ask("m", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4, pipelined=True))
+    hits = 0
+    for step in range(6):
+        assert (r.error, r.step, r.position) == ("", step, len(ctx))
+        tree = tree_from_pb(r.tree)
+        want = fresh(ctx, 8, 4)
+        assert tree == want or (r.predrafted and tree.tokens[0] == want.tokens[0])
+        time.sleep(MODEL_VERIFY_S)
+        h = [tree.tokens[i] for i in main_path(tree)]
+        if step % 2 == 0:  # the outcome predrafted for: main path + the drafter's own next token
+            accepted, bonus = h, fresh(ctx + h, 1, 1).tokens[0]
+        else:
+            accepted, bonus = h[:1], 7
+        r = s.ask("m", commit=drafter_pb2.CommitStep(step=step, accepted=accepted, bonus=bonus, budget=8, depth=4))
+        ctx += accepted + [bonus]
+        hits += r.predrafted
+    assert hits >= 2, "the predraft (5 forwards of a tiny model) should be ready in time"
+    # sampling: every tree, predrafted or not, carries an exact q for each expanded node
+    sampling = common_pb2.SamplingParams(temperature=0.8, top_k=50, seed=1)
+    r = s.ask("t", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4, sampling=sampling, pipelined=True))
+    for step in range(6):
+        assert r.error == ""
+        tree = tree_from_pb(r.tree)
+        validate_tree(tree, 256, 8, 4, need_q=True)
+        time.sleep(MODEL_VERIFY_S)
+        h = [tree.tokens[i] for i in main_path(tree)]
+        r = s.ask("t", commit=drafter_pb2.CommitStep(step=step, accepted=h, bonus=tree.tokens[0], budget=8, depth=4))
+    assert s.ask("t", commit=drafter_pb2.CommitStep(step=6, bonus=256, budget=8, depth=4)).error.startswith("bonus:")
+    s.close()
+
+
+# --- shutdown ---
+
+def test_sigterm_exits_promptly(tmp_path: Path) -> None:
+    svc = Service(tmp_path, "--drafter", "ngram", "--grace-s", "1")
+    try:
+        s = svc.stream()
+        assert s.ask("a", open=drafter_pb2.OpenSession(context=_context(2), budget=8, depth=4)).error == ""
+        t = time.monotonic()
+        svc.proc.send_signal(signal.SIGTERM)
+        assert svc.proc.wait(10) == 0
+        assert time.monotonic() - t < 5
+        s.close()
+    finally:
+        svc.stop()

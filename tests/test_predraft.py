@@ -1,0 +1,394 @@
+"""Tests for specmesh.drafters.predraft: re-rooting and trimming trees, the DraftAhead session
+(predraft hits and misses give the trees a fresh draft would), and that output drawn through
+predrafted (re-rooted) trees is still distributed exactly as the target's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specmesh.drafters import NgramDrafter, predraft
+from specmesh.drafters.base import Children, children_from_probs, grow_tree
+from specmesh.drafters.predraft import (
+    DraftAhead,
+    SessionClosedError,
+    draft_generator,
+    main_path,
+    pick_predrafted,
+    predraft_shape,
+    subtree,
+    trim,
+    trim_nodes,
+)
+from specmesh.sampling import SamplingParams, make_generator, sample_token, verify_sampling
+from specmesh.tree import ROOT, DraftTree, children_of, validate_tree
+
+GREEDY = SamplingParams()
+SAMPLE = SamplingParams(temperature=1.0, seed=3)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+#          root
+#        /  |   \
+#      0:5 1:6  2:7
+#     / \    \
+#   3:8 4:9  5:3
+#    |
+#   6:4
+LITERAL = DraftTree(
+    tokens=[5, 6, 7, 8, 9, 3, 4],
+    parents=[-1, -1, -1, 0, 0, 1, 3],
+    q_nodes=[ROOT, 0, 1, 3],
+    q_ids=[[5, 6, 7], [8, 9], [3, 1], [4]],
+    q_probs=[[0.5, 0.3, 0.2], [0.6, 0.4], [0.9, 0.1], [1.0]],
+)
+
+
+def test_main_path_follows_first_children() -> None:
+    assert main_path(LITERAL) == [0, 3, 6]
+    assert main_path(DraftTree.empty()) == []
+    assert main_path(DraftTree.chain([4, 5, 6])) == [0, 1, 2]
+    # the first child is followed even when a later sibling goes deeper
+    assert main_path(DraftTree([1, 2, 3], [-1, -1, 1])) == [0]
+
+
+def test_subtree_remaps_parents_and_q() -> None:
+    sub = subtree(LITERAL, 0)
+    assert sub.tokens == [8, 9, 4]
+    assert sub.parents == [-1, -1, 0]
+    assert sub.q_nodes == [ROOT, 0]
+    assert sub.q_ids == [[8, 9], [4]] and sub.q_probs == [[0.6, 0.4], [1.0]]
+    validate_tree(sub, vocab_size=10, max_nodes=8, need_q=True)
+
+    sub1 = subtree(LITERAL, 1)
+    assert (sub1.tokens, sub1.parents, sub1.q_nodes, sub1.q_ids) == ([3], [-1], [ROOT], [[3, 1]])
+    assert subtree(LITERAL, 3) == DraftTree([4], [-1], [ROOT], [[4]], [[1.0]])
+    assert subtree(LITERAL, 6) == DraftTree.empty()  # a leaf
+
+
+def test_subtree_of_greedy_tree_has_no_q() -> None:
+    sub = subtree(DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]), 0)
+    assert (sub.tokens, sub.parents, sub.q_nodes) == ([2, 3, 4], [-1, -1, 0], [])
+
+
+@pytest.mark.parametrize("budget, depth, tokens, parents", [
+    (7, 4, [5, 6, 7, 8, 9, 3, 4], [-1, -1, -1, 0, 0, 1, 3]),
+    (4, 4, [5, 6, 8, 4], [-1, -1, 0, 2]),  # the main path first, then index order
+    (3, 4, [5, 8, 4], [-1, 0, 1]),
+    (7, 1, [5, 6, 7], [-1, -1, -1]),
+    (5, 2, [5, 6, 7, 8, 9], [-1, -1, -1, 0, 0]),
+    (1, 3, [5], [-1]),
+])
+def test_trim_literal(budget: int, depth: int, tokens: list[int], parents: list[int]) -> None:
+    out = trim(LITERAL, budget, depth)
+    assert (out.tokens, out.parents) == (tokens, parents)
+    validate_tree(out, vocab_size=10, max_nodes=budget, max_depth=depth, need_q=True)
+    assert ROOT in out.q_nodes and all(n in out.parents for n in out.q_nodes), "q only for expanded nodes"
+
+
+def _sampling_tree(seed: int, budget: int = 24, depth: int = 5, vocab: int = 12) -> DraftTree:
+    """A grow_tree sampling tree: every node's children i.i.d. from a random q it reports."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def expand(_nodes, _paths, counts):
+        out = []
+        for count in counts:
+            probs = torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=-1)  # [V]
+            out.append(children_from_probs(probs, count, SAMPLE, gen, q_top=6))
+        return out
+
+    return grow_tree(expand, budget, depth)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampling_subtree_and_trim_stay_valid(seed: int) -> None:
+    tree = _sampling_tree(seed)
+    validate_tree(tree, vocab_size=12, max_nodes=64, need_q=True)
+    kids = children_of(tree)
+    q_of = {n: (i, p) for n, i, p in zip(tree.q_nodes, tree.q_ids, tree.q_probs)}
+    for node in range(len(tree)):
+        sub = subtree(tree, node)
+        validate_tree(sub, vocab_size=12, max_nodes=64, need_q=bool(sub.tokens))
+        if kids[node]:
+            assert sub.q_nodes[0] == ROOT and (sub.q_ids[0], sub.q_probs[0]) == q_of[node], "q kept exactly"
+        for budget in (1, 3, 7, 64):
+            for depth in (1, 2, 4):
+                out = trim(sub, budget, depth)
+                validate_tree(out, vocab_size=12, max_nodes=budget, max_depth=depth, need_q=bool(out.tokens))
+                _assert_children_prefixes(sub, trim_nodes(sub, budget, depth))
+                if sub.tokens:  # the main path survives as deep as allowed
+                    assert len(main_path(out)) == min(len(main_path(sub)), budget, depth)
+
+
+def _assert_children_prefixes(tree: DraftTree, kept: list[int]) -> None:
+    """Each kept node keeps a prefix of its children in index order (never a value-based pick)."""
+    kids = children_of(tree)
+    kept_set = set(kept)
+    assert all(tree.parents[i] == ROOT or tree.parents[i] in kept_set for i in kept), "closed under parents"
+    for node in [ROOT, *kept]:
+        mask = [c in kept_set for c in kids[node]]
+        assert mask == sorted(mask, reverse=True), f"node {node}: kept children are not a prefix"
+
+
+def test_pick_predrafted() -> None:
+    # P: root children 5 (with children), 6 (leaf), 5 again (with a child)
+    p = DraftTree([5, 6, 5, 1, 2, 3], [-1, -1, -1, 0, 0, 2])
+    assert pick_predrafted(p, 5, 8, 4) == DraftTree([1, 2], [-1, -1])
+    assert pick_predrafted(p, 5, 1, 4) == DraftTree([1], [-1])
+    assert pick_predrafted(p, 6, 8, 4) is None  # a leaf: nothing predrafted under it
+    assert pick_predrafted(p, 7, 8, 4) is None
+    assert predraft_shape(8, 4) == (16, 5) and predraft_shape(64, 16) == (64, 17)
+
+
+def test_draft_generator_is_seeded_but_not_the_verifiers_stream() -> None:
+    a, b = draft_generator(SAMPLE), draft_generator(SAMPLE)
+    verifier = make_generator(SAMPLE)
+    x, y, z = (torch.rand(8, generator=g) for g in (a, b, verifier))
+    assert torch.equal(x, y)
+    assert not torch.equal(x, z)
+
+
+# --- DraftAhead on the ngram drafter: hits, misses and extends give exactly the right trees ---
+
+CONTEXT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2, 3]
+
+
+def _fresh(context: list[int], budget: int, depth: int) -> DraftTree:
+    return NgramDrafter().open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
+
+
+def test_draft_ahead_hit_and_miss_ngram() -> None:
+    ctx = list(CONTEXT)
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True)
+    first = ahead.first(8, 4)
+    assert (first.step, first.position, first.predrafted) == (0, len(ctx), False)
+    assert first.tree == _fresh(ctx, 8, 4)
+    h = [first.tree.tokens[i] for i in main_path(first.tree)]
+
+    # hit: the main path accepted whole, the bonus is the predraft's first root child
+    assert ahead.predraft() and not ahead.predraft()  # once per tree sent
+    p = NgramDrafter().open(ctx + h).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY))
+    bonus = p.tokens[0]
+    hit = ahead.commit(0, h, bonus, 8, 4)
+    ctx += h + [bonus]
+    assert (hit.step, hit.position, hit.predrafted) == (1, len(ctx), True)
+    assert hit.tree == pick_predrafted(p, bonus, 8, 4)
+
+    # miss: a shorter accepted path; the tree is what a fresh session drafts at that point
+    assert ahead.predraft()
+    h2 = [hit.tree.tokens[i] for i in main_path(hit.tree)]
+    miss = ahead.commit(1, h2[:1], 4, 6, 3)
+    ctx += h2[:1] + [4]
+    assert (miss.step, miss.position, miss.predrafted) == (2, len(ctx), False)
+    assert miss.tree == _fresh(ctx, 6, 3)
+
+    # extend after a predraft: the speculative path is dropped, the new tokens appended
+    assert ahead.predraft()
+    ext = ahead.extend([7, 1, 2], 8, 4)
+    ctx += [7, 1, 2]
+    assert (ext.step, ext.position, ext.predrafted) == (3, len(ctx), False)
+    assert ext.tree == _fresh(ctx, 8, 4)
+    assert ahead.session.context == ctx
+    assert ahead.hits == 1 and ahead.steps == 4
+
+
+def test_draft_ahead_errors() -> None:
+    ahead = DraftAhead(NgramDrafter().open(list(CONTEXT)), len(CONTEXT), GREEDY, pipelined=False)
+    ahead.first(8, 4)
+    assert not ahead.predraft(), "not pipelined: no predraft"
+    with pytest.raises(ValueError, match="^step: expected 0"):
+        ahead.commit(1, [], 1, 8, 4)
+    ahead.close()
+    with pytest.raises(SessionClosedError, match="^session_id:"):
+        ahead.commit(0, [], 1, 8, 4)
+
+
+# --- DraftAhead on a tiny random model: the KV cache stays right through predraft and rollback ---
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A random-initialised 2-layer Llama built directly on our runtime (no transformers import)."""
+    from specmesh.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256)
+    torch.manual_seed(0)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    return Transformer(cfg, inv_freq).eval()
+
+
+def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
+    from specmesh.drafters.model import ModelDrafter
+
+    drafter = ModelDrafter(tiny_model)
+
+    def fresh(context, budget, depth):
+        return drafter.open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
+
+    ctx = [3, 14, 15, 9, 26, 5]
+    ahead = DraftAhead(drafter.open(ctx), len(ctx), GREEDY, pipelined=True)
+    st = ahead.first(8, 4)
+    hits = 0
+    for step in range(8):
+        assert st.tree == fresh(ctx, 8, 4) or st.predrafted
+        assert ahead.predraft()
+        path = [st.tree.tokens[i] for i in main_path(st.tree)]
+        if step % 2 == 0:  # accept the main path, bonus = the drafter's own next token (a hit)
+            accepted, bonus = path, fresh(ctx + path, 1, 1).tokens[0]
+        else:  # a miss: accept one token, then a bonus of our own
+            accepted, bonus = path[:1], (step * 7) % 64
+        st = ahead.commit(step, accepted, bonus, 8, 4)
+        ctx += accepted + [bonus]
+        assert st.position == len(ctx)
+        hits += st.predrafted
+        if st.predrafted:  # the predrafted tree's best path is what a fresh draft proposes first
+            assert st.tree.tokens[0] == fresh(ctx, 8, 4).tokens[0]
+    assert hits == 4
+
+
+# --- Statistical losslessness through predrafted trees ---
+#
+# A Markov toy: the target's distribution after token x is TABLE[x], the drafter's Q_TABLE[x]
+# (they differ everywhere). Each trial opens a session at [0] (first tree: 2 root children),
+# verifies it, commits, and verifies the tree the session answers with, predrafted whenever the
+# predraft matches. Two checks: the first three output tokens are distributed as the target's;
+# and after a predraft hit with bonus b, the next tree's first output token is distributed as
+# TABLE[b] (verification of a valid tree is exact given its context, whatever led there).
+
+V = 5
+
+
+def _table(seed: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64) * scale, dim=-1)  # [V, V]
+
+
+TABLE = _table(21, 1.0)
+Q_TABLE = 0.5 * TABLE + 0.5 * _table(22, 3.0)  # close enough to the target for frequent hits
+
+
+class _Pools:
+    """I.i.d. draws from Q_TABLE rows, drawn in bulk (per-token torch calls would dominate)."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pools: dict[int, list[int]] = {x: [] for x in range(V)}
+        self.sparse = {x: (list(range(V)), Q_TABLE[x].tolist()) for x in range(V)}
+
+    def draw(self, x: int, count: int) -> list[int]:
+        pool = self.pools[x]
+        if len(pool) < count:
+            pool += torch.multinomial(Q_TABLE[x], 4096, replacement=True, generator=self.generator).tolist()
+        return [pool.pop() for _ in range(count)]
+
+
+class _MarkovSession:
+    """A DraftSession drafting from Q_TABLE[last token] with grow_tree (children i.i.d. from q)."""
+
+    def __init__(self, context: list[int], pools: _Pools) -> None:
+        self.context = list(context)
+        self.pools = pools
+
+    def commit(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.context[num_tokens:]
+
+    def close(self) -> None:
+        pass
+
+    def draft(self, budget, depth, params, generator) -> DraftTree:
+        def expand(_nodes, paths, counts) -> list[Children]:
+            out = []
+            for path, count in zip(paths, counts):
+                x = path[-1] if path else self.context[-1]
+                kids = self.pools.draw(x, count)
+                ids, probs = self.pools.sparse[x]
+                out.append(Children(kids, [float(np.log(probs[k])) for k in kids], ids, probs))
+            return out
+
+        return grow_tree(expand, budget, depth)
+
+
+def _target_rows(context_last: int, tree: DraftTree) -> torch.Tensor:
+    return torch.cat([TABLE[[context_last]], TABLE[tree.tokens]]) if tree.tokens else TABLE[[context_last]]
+
+
+TRIALS = 3000
+
+
+def _run(trials: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts [V, V, V] of the first three output tokens, and [V, V] of (bonus b, next token)
+    over the trials whose second tree was predrafted."""
+    verifier = torch.Generator().manual_seed(seed + 1)
+    pools = _Pools(seed)
+    counts = np.zeros((V,) * 3, dtype=np.int64)
+    after_hit = np.zeros((V, V), dtype=np.int64)
+    for _ in range(trials):
+        ahead = DraftAhead(_MarkovSession([0], pools), 1, SAMPLE, pipelined=True)
+        st, out = ahead.first(2, 1), []
+        for step in range(2):
+            ahead.predraft()
+            new = verify_sampling(st.tree, _target_rows(([0] + out)[-1], st.tree), verifier).tokens(st.tree)
+            if step == 0:
+                st = ahead.commit(0, new[:-1], new[-1], 2, 1)
+            elif st.predrafted:
+                after_hit[out[-1], new[0]] += 1
+            out += new
+        while len(out) < 3:
+            out.append(sample_token(TABLE[out[-1]], verifier))
+        counts[tuple(out[:3])] += 1
+    return counts, after_hit
+
+
+def _p_value(counts: np.ndarray, probs: np.ndarray, ddof: int = 0) -> float:
+    """Chi-square p-value that counts come from probs (cells expected < 5 times pooled)."""
+    counts, probs = counts.ravel(), probs.ravel()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp, ddof=min(ddof, len(obs) - 2)).pvalue)
+
+
+def _p_values(counts: np.ndarray, after_hit: np.ndarray) -> tuple[float, float]:
+    t = TABLE.numpy()
+    first3 = t[0][:, None, None] * t[:, :, None] * t[None, :, :]  # [V, V, V]
+    given_bonus = after_hit.sum(axis=1, keepdims=True) * t  # [V, V]: n_b * TABLE[b, y]
+    return _p_value(counts, first3), _p_value(after_hit, given_bonus, ddof=V - 1)
+
+
+@pytest.fixture(scope="module")
+def lossless_run() -> tuple[np.ndarray, np.ndarray]:
+    return _run(TRIALS, seed=1)
+
+
+def test_output_through_predrafted_trees_is_target_distribution(lossless_run) -> None:
+    counts, after_hit = lossless_run
+    assert after_hit.sum() > TRIALS // 20, f"too few predraft hits ({after_hit.sum()}) to mean anything"
+    assert min(_p_values(counts, after_hit)) > 1e-3
+
+
+def test_statistical_test_catches_a_wrong_q_after_rerooting(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = predraft.subtree
+
+    def stale_q(tree: DraftTree, node: int) -> DraftTree:
+        sub = real(tree, node)  # keeps the predraft root's q: wrong for the new root's children
+        return DraftTree(sub.tokens, sub.parents, [ROOT], [tree.q_ids[0]], [tree.q_probs[0]]) if sub.tokens else sub
+
+    monkeypatch.setattr(predraft, "subtree", stale_q)
+    counts, after_hit = _run(TRIALS, seed=1)
+    assert _p_values(counts, after_hit)[1] < 1e-6
