@@ -1,0 +1,66 @@
+"""Start specmesh services as child processes on this machine (`--port 0`, wait for their
+"listening on HOST:PORT" line) and stop them. Used by tests, benchmarks and local clusters."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+LISTEN = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    address: str
+    lines: list[str] = field(default_factory=list)
+
+    def kill9(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+        return self.popen.returncode
+
+
+def start(module: str, *args: str, timeout: float = 180.0) -> Proc:
+    """`python -m module --port 0 args...`; wait for its 'listening on HOST:PORT' line."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # keep draining output so the child never blocks on a full pipe
+        for line in p.stdout:
+            lines.append(line)
+            m = LISTEN.search(line)
+            if m and not found:
+                found.append(f"{m.group(1)}:{m.group(2)}")
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if time.monotonic() > deadline:
+            p.kill()
+            raise TimeoutError(f"{module} did not start:\n{''.join(lines[-30:])}")
+    if not found:
+        p.wait(timeout=10)
+        raise RuntimeError(f"{module} exited ({p.returncode}):\n{''.join(lines[-30:])}")
+    return Proc(p, found[0], lines)

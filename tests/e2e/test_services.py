@@ -1,0 +1,266 @@
+"""Drafter and verifier services as real processes on 127.0.0.1, with the bundled SmolLM2:
+greedy output through gRPC identical to the in-process engine (TP=1 and TP=2 over gloo), with
+every drafter, a killed drafter, a malicious drafter; KV reuse across turns; concurrency; bad
+requests; graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from specmesh.engine import SpecConfig, StopConditions, generate
+from specmesh.runtime import encode_prompt, load_target
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.e2e.procs import start
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Repeat exactly: one two three, one two three, one two three.",
+    "Name three primary colors.",
+]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def local():
+    torch.set_num_threads(1)
+    model, tok = load_target(None)
+    eos = frozenset([tok.eos_token_id])
+    cases = []
+    for text in PROMPTS:
+        ids = encode_prompt(tok, text, chat=True)
+        cases.append((ids, generate(model, ids, SamplingParams(), StopConditions(N, eos)).token_ids))
+    return model, tok, cases
+
+
+@pytest.fixture(scope="module")
+def reference_file(local, tmp_path_factory):
+    _m, _t, cases = local
+    path = tmp_path_factory.mktemp("oracle") / "reference.json"
+    path.write_text(json.dumps([ids + out for ids, out in cases]))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    p = start("drafter_service", "--drafter", "ngram", "--threads", "1")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(reference_file):
+    p = start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", reference_file, "--threads", "1")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    p = start("verifier_service", "--threads", "1", "--draft-deadline-s", "5")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def verifier_tp2():
+    p = start("verifier_service", "--tp", "2", "--threads", "1", "--draft-deadline-s", "5")
+    yield p
+    p.stop()
+
+
+def stub(addr: str) -> verifier_pb2_grpc.VerifierStub:
+    return verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(addr))
+
+
+def run(addr: str, ids: list[int] | None = None, *, drafter: str = "", timeout: float = 300, **kw):
+    req = verifier_pb2.GenerateRequest(max_tokens=kw.pop("max_tokens", N), drafter_address=drafter, **kw)
+    if ids is not None:
+        req.token_ids.ids.extend(ids)
+    out, complete = [], None
+    for r in stub(addr).Generate(req, timeout=timeout):
+        if r.HasField("chunk"):
+            out.extend(r.chunk.token_ids)
+        else:
+            complete = r.complete
+    return out, complete
+
+
+@pytest.mark.parametrize("which", ["none", "ngram", "oracle"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_identical_to_in_process(local, request, which, tp):
+    _m, _t, cases = local
+    addr = request.getfixturevalue("verifier" if tp == 1 else "verifier_tp2").address
+    drafter = "" if which == "none" else request.getfixturevalue(which).address
+    for ids, expected in cases[: 4 if tp == 1 else 2]:
+        out, complete = run(addr, ids, drafter=drafter)
+        assert out == expected
+        assert complete.usage.completion_tokens == len(expected)
+        if which == "oracle":
+            assert complete.speculation.accepted_tokens > 0
+
+
+def test_seeded_sampling_reproducible(local, verifier, ngram):
+    ids = local[2][1][0]
+    sampling = common_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    a, _ = run(verifier.address, ids, drafter=ngram.address, sampling=sampling, ignore_eos=True)
+    b, _ = run(verifier.address, ids, drafter=ngram.address, sampling=sampling, ignore_eos=True)
+    c, _ = run(verifier.address, ids, sampling=sampling, ignore_eos=True)  # no drafter: same sample space
+    assert a == b and len(a) == N
+    assert all(0 <= t < 49152 for t in c)
+
+
+def test_second_turn_reuses_kv_cache(local, verifier, ngram):
+    model, tok, cases = local
+    ids, first = cases[0]
+    out1, c1 = run(verifier.address, ids, drafter=ngram.address, session_id="kv-1")
+    assert out1 == first and c1.usage.cached_prompt_tokens == 0
+    follow = encode_prompt(tok, "And of Italy?", chat=True)
+    out2, c2 = run(verifier.address, follow, drafter=ngram.address, session_id="kv-1")
+    assert c2.usage.cached_prompt_tokens == len(ids) + len(out1)
+    assert c2.usage.prompt_tokens == len(ids) + len(out1) + len(follow)
+    expected = generate(model, ids + out1 + follow, SamplingParams(),
+                        StopConditions(N, frozenset([tok.eos_token_id]))).token_ids
+    assert out2 == expected
+
+
+def test_eight_concurrent_sessions(local, verifier, oracle):
+    cases = local[2]
+    jobs = [(f"conc-{i}", *cases[i % len(cases)]) for i in range(8)]
+    with futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda j: run(verifier.address, j[1], drafter=oracle.address, session_id=j[0])[0], jobs))
+    assert outs == [j[2] for j in jobs]
+
+
+def test_drafter_killed_mid_generation(local, reference_file, verifier):
+    ids, expected = local[2][0]
+    slow = start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", reference_file,
+                 "--draft-cost-s", "0.3", "--threads", "1")
+    got: list[int] = []
+    first = threading.Event()
+    box: dict = {}
+
+    def consume():
+        req = verifier_pb2.GenerateRequest(max_tokens=N, drafter_address=slow.address)
+        req.token_ids.ids.extend(ids)
+        for r in stub(verifier.address).Generate(req, timeout=300):
+            if r.HasField("chunk"):
+                got.extend(r.chunk.token_ids)
+                first.set()
+            else:
+                box["complete"] = r.complete
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(120)
+    slow.kill9()
+    t.join(180)
+    assert not t.is_alive() and got == expected and "complete" in box
+
+
+@pytest.mark.parametrize("field, req", [
+    ("max_tokens", dict(max_tokens=0)),
+    ("temperature", dict(sampling=common_pb2.SamplingParams(temperature=-1))),
+    ("top_p", dict(sampling=common_pb2.SamplingParams(temperature=1, top_p=1.5))),
+    ("token_ids", dict(token_ids=verifier_pb2.TokenIds(ids=[1, 10**8]))),
+    ("stop_token_ids", dict(stop_token_ids=[-4])),
+    ("speculation.budget", dict(speculation=verifier_pb2.SpeculationOptions(budget=1000))),
+    ("speculation.depth", dict(speculation=verifier_pb2.SpeculationOptions(depth=99))),
+    ("input", dict(max_tokens=4, session_id="never-seen")),
+])
+def test_bad_request_is_invalid_argument(local, verifier, field, req):
+    base = dict(max_tokens=4, token_ids=verifier_pb2.TokenIds(ids=local[2][0][0]))
+    base.update(req)
+    if field == "input":
+        base.pop("token_ids")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(verifier.address).Generate(verifier_pb2.GenerateRequest(**base), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    # nothing lost: the service and an existing session go on
+    out, _ = run(verifier.address, local[2][0][0], max_tokens=3)
+    assert out == local[2][0][1][:3]
+
+
+class BadDrafter(drafter_pb2_grpc.DrafterServicer):
+    """A malicious drafter speaking the protocol: garbage trees, wrong steps, slow answers."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def Draft(self, request_iterator, context):
+        import random
+
+        r = random.Random(0)
+        step_of: dict[str, int] = {}
+        for req in request_iterator:
+            kind = req.WhichOneof("kind")
+            if kind == "close":
+                continue
+            step = 0 if kind == "open" else req.commit.step + 1
+            step_of[req.session_id] = step
+            n = 70 if self.mode == "huge" else 12
+            tree = common_pb2.DraftTree(tokens=[r.randrange(49152) for _ in range(n)],
+                                        parents=[r.randrange(-1, i) if i else -1 for i in range(n)])
+            if self.mode == "out-of-vocab":
+                tree.tokens[0] = 10**7
+            if self.mode == "cycle":
+                tree.parents[0] = 5
+            if self.mode == "wrong-step":
+                step += 3
+            if self.mode == "slow":
+                time.sleep(0.5)
+            if self.mode == "bad-q":
+                tree.q.add(node=-1, ids=[1, 1], probs=[0.5, 0.5])
+            yield drafter_pb2.DraftResponse(session_id=req.session_id, step=step, tree=tree)
+
+
+@pytest.mark.parametrize("mode", ["random", "huge", "out-of-vocab", "cycle", "wrong-step", "slow", "bad-q"])
+def test_malicious_drafter_never_changes_output(local, verifier, mode):
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(BadDrafter(mode), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        ids, expected = local[2][1]
+        deadline = verifier_pb2.SpeculationOptions(draft_deadline_s=0.2)
+        out, complete = run(verifier.address, ids, drafter=f"127.0.0.1:{port}", speculation=deadline)
+        assert out == expected
+        s = complete.speculation
+        assert s.rejected_trees + s.drafter_timeouts > 0 or mode == "random"
+        sampled, _ = run(verifier.address, ids, drafter=f"127.0.0.1:{port}", speculation=deadline, ignore_eos=True,
+                         sampling=common_pb2.SamplingParams(temperature=0.7, seed=3))
+        assert len(sampled) == N  # sampling without a valid q: trees rejected, generation goes on
+    finally:
+        server.stop(0)
+
+
+def test_graceful_shutdown(local):
+    ids = local[2][0][0]
+    v = start("verifier_service", "--threads", "1", "--grace-s", "2")
+    box: dict = {}
+
+    def consume():
+        try:
+            box["out"] = run(v.address, ids, max_tokens=400, ignore_eos=True)
+        except grpc.RpcError as e:
+            box["code"] = e.code()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(3)
+    t0 = time.monotonic()
+    rc = v.stop(timeout=60)
+    t.join(60)
+    assert not t.is_alive(), "the client stream hung"
+    assert rc == 0 and time.monotonic() - t0 < 30
+    assert "out" in box or box["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
