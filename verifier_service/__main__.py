@@ -27,9 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     verifier = Verifier(cfg, model, tokenizer)
     server, port, hs = build_server(verifier)
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads})", flush=True)
+    beat = None
+    if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
+        from router.register import advertised_address, model_name, start_heartbeat
+
+        beat = start_heartbeat(cfg.redis_url, "verifier", advertised_address(cfg.host, port), model_name(path),
+                               load=lambda: {"active_sessions": len(verifier.sessions)})
     try:
         serve_until_signal(server, hs, cfg.grace_s)
     finally:
+        if beat is not None:
+            beat.stop()
         verifier.shutdown()
         if cfg.tp > 1:
             model.shutdown()

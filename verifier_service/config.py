@@ -25,6 +25,7 @@ class VerifierConfig:
     max_new_tokens: int = 2048         # upper bound for max_tokens
     max_message_bytes: int = 64 << 20  # gRPC message size limit (long prompts)
     grace_s: float = 5.0               # graceful shutdown: in-flight streams get this long
+    redis_url: str = ""                # register with the router registry there ("" = don't)
 
 
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--grace-s", type=float, default=d.grace_s)
+    p.add_argument("--redis-url", default=env("SPECMESH_REDIS_URL", d.redis_url),
+                   help="register and heartbeat in the router registry (router.register)")
     a = p.parse_args(argv)
     if a.tp < 1 or a.threads < 1:
         p.error("--tp and --threads must be >= 1")

@@ -128,6 +128,23 @@ class DraftSession(Protocol):
     def close(self) -> None: ...
 
 
+class ContextSession:
+    """The state of drafters that keep nothing but the token context (ngram, oracle)."""
+
+    def __init__(self, context: list[int]) -> None:
+        self.context = context
+
+    def commit(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        assert 1 <= num_tokens <= len(self.context)
+        del self.context[num_tokens:]
+
+    def close(self) -> None:
+        self.context = []
+
+
 class Drafter(Protocol):
     name: str
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.drafters.base import Children, grow_tree
+from specmesh.drafters.base import Children, ContextSession, grow_tree
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -49,20 +49,10 @@ def find_continuations(context: list[int], max_ngram: int, min_ngram: int, lengt
     return []
 
 
-class NgramSession:
+class NgramSession(ContextSession):
     def __init__(self, drafter: NgramDrafter, context: list[int]) -> None:
+        super().__init__(context)
         self.d = drafter
-        self.context = context
-
-    def commit(self, tokens: list[int]) -> None:
-        self.context.extend(tokens)
-
-    def rollback(self, num_tokens: int) -> None:
-        assert 1 <= num_tokens <= len(self.context)
-        del self.context[num_tokens:]
-
-    def close(self) -> None:
-        self.context = []
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
         conts = find_continuations(self.context, self.d.max_ngram, self.d.min_ngram, depth)

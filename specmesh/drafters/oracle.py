@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, grow_tree
+from specmesh.drafters.base import Children, ContextSession, grow_tree
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -67,22 +67,12 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class OracleSession:
+class OracleSession(ContextSession):
     def __init__(self, drafter: OracleDrafter, context: list[int]) -> None:
+        super().__init__(context)
         self.d = drafter
-        self.context = context
         self.rng = random.Random(drafter.seed)
         self.ref = drafter.pick(context)
-
-    def commit(self, tokens: list[int]) -> None:
-        self.context.extend(tokens)
-
-    def rollback(self, num_tokens: int) -> None:
-        assert 1 <= num_tokens <= len(self.context)
-        del self.context[num_tokens:]
-
-    def close(self) -> None:
-        self.context = []
 
     def _wrong(self, right: int | None, avoid: list[int]) -> int:
         while True:

@@ -1,0 +1,259 @@
+"""Session and registry state in Redis (redis-py asyncio), shared by every router replica.
+
+No router holds state that another needs: a session alternating between routers sees one binding,
+one history. Keys (`P` = the prefix, default `specmesh:`; session ids and addresses are used as
+they are — Redis keys are binary-safe; session ids are at most 256 characters):
+
+- `P ep:{address}` (string, ~200 B, TTL = heartbeat TTL, default 6 s, beat every 2 s): JSON
+  Endpoint {address, role, model, capacity, active_sessions, kv_tokens}.
+- `P endpoints` (zset, no TTL): index of registered addresses; members whose `ep:` key expired
+  are pruned on read.
+- `P bind:{session}` (string, ~100 B, TTL = session TTL, default 1 h, refreshed every turn):
+  JSON {"verifier", "drafter", "epoch"}.
+- `P hist:{session}` (string, 4 B/token: 8k tokens = 32 KiB; session TTL, refreshed every turn):
+  the token history as packed little-endian int32.
+- `P load:{address}` (hash, TTL 10 min refreshed on every change): `turns`, `tokens` = turns in
+  flight and their context tokens, summed over all routers.
+- `P rr` (string, no TTL): round-robin counter (INCR).
+
+Binding writes are first-writer-wins: a new binding is written only if none exists; a rebinding
+only if the stored epoch is still the one the writer read (compare-and-set in one Lua script), so
+two routers placing one session at once agree on the winner's binding.
+History is written when the first token of a turn arrives (so a refused turn leaves none) and then
+appended chunk by chunk. A router killed mid-turn leaves its `load:` increments until that key's
+TTL lapses with no traffic (the counters are a placement hint, never a correctness input).
+
+Any Redis failure is raised as `StateUnavailable` (UNAVAILABLE / 503 at the edge).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.errors import Kind, RouterError
+from router.policies import Binding, Endpoint, Load, Role
+
+DEFAULT_PREFIX = "specmesh:"
+LOAD_TTL_S = 600.0
+_TOKEN = np.dtype("<i4")
+
+# KEYS[1] = binding key; ARGV = expected epoch (0 = none), new binding JSON, TTL ms.
+# Writes when there is no binding or its epoch is the expected one; returns the stored binding.
+_BIND_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false or cjson.decode(cur)['epoch'] == tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return ARGV[2]
+end
+return cur
+"""
+
+
+class StateUnavailable(RouterError):
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(Kind.UNAVAILABLE, f"redis: unavailable ({type(cause).__name__}: {cause})")
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    def endpoint(self, address: str) -> str:
+        return f"{self.prefix}ep:{address}"
+
+    @property
+    def index(self) -> str:
+        return f"{self.prefix}endpoints"
+
+    def binding(self, session_id: str) -> str:
+        return f"{self.prefix}bind:{session_id}"
+
+    def history(self, session_id: str) -> str:
+        return f"{self.prefix}hist:{session_id}"
+
+    def load(self, address: str) -> str:
+        return f"{self.prefix}load:{address}"
+
+    @property
+    def round_robin(self) -> str:
+        return f"{self.prefix}rr"
+
+
+def endpoint_to_json(e: Endpoint) -> str:
+    d = asdict(e)
+    d["role"] = e.role.value
+    return json.dumps(d, separators=(",", ":"))
+
+
+def endpoint_from_json(raw: str | bytes) -> Endpoint:
+    d = json.loads(raw)
+    return Endpoint(address=d["address"], role=Role(d["role"]), model=d.get("model", ""),
+                    capacity=int(d.get("capacity", 0)), active_sessions=int(d.get("active_sessions", 0)),
+                    kv_tokens=int(d.get("kv_tokens", 0)))
+
+
+def binding_to_json(b: Binding) -> str:
+    return json.dumps({"verifier": b.verifier, "drafter": b.drafter, "epoch": b.epoch}, separators=(",", ":"))
+
+
+def binding_from_json(raw: str | bytes) -> Binding:
+    d = json.loads(raw)
+    return Binding(d["verifier"], d.get("drafter", ""), int(d["epoch"]))
+
+
+def pack_tokens(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype=_TOKEN).tobytes()
+
+
+def unpack_tokens(data: bytes | None) -> list[int]:
+    return np.frombuffer(data, dtype=_TOKEN).tolist() if data else []
+
+
+class RouterState:
+    """Typed operations on the keys above. Every method raises StateUnavailable on Redis errors."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = 3600.0) -> None:
+        self.r = client
+        self.keys = Keys(prefix)
+        self.session_ttl_ms = int(session_ttl_s * 1000)
+        self._bind = client.register_script(_BIND_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = 3600.0,
+                 timeout_s: float = 2.0) -> RouterState:
+        client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return cls(client, prefix, session_ttl_s)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    async def ping(self) -> None:
+        try:
+            await self.r.ping()
+        except RedisError as e:
+            raise StateUnavailable(e) from e
+
+    # -- registry ------------------------------------------------------------------------------
+    async def register(self, e: Endpoint, ttl_s: float) -> None:
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                p.set(self.keys.endpoint(e.address), endpoint_to_json(e), px=int(ttl_s * 1000))
+                p.zadd(self.keys.index, {e.address: time.time()})
+                await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+
+    async def deregister(self, address: str) -> None:
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                p.delete(self.keys.endpoint(address))
+                p.zrem(self.keys.index, address)
+                await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+
+    async def endpoints(self) -> list[Endpoint]:
+        """Live endpoints (heartbeat not expired); prunes expired ones from the index."""
+        try:
+            addrs = [a.decode() for a in await self.r.zrange(self.keys.index, 0, -1)]
+            if not addrs:
+                return []
+            raws = await self.r.mget([self.keys.endpoint(a) for a in addrs])
+            stale = [a for a, raw in zip(addrs, raws, strict=True) if raw is None]
+            if stale:
+                await self.r.zrem(self.keys.index, *stale)
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return [endpoint_from_json(raw) for raw in raws if raw is not None]
+
+    # -- sessions ------------------------------------------------------------------------------
+    async def session(self, session_id: str) -> tuple[Binding | None, list[int]]:
+        """The session's binding (None if unbound) and token history ([] if none)."""
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                p.get(self.keys.binding(session_id))
+                p.get(self.keys.history(session_id))
+                raw, hist = await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return (binding_from_json(raw) if raw else None), unpack_tokens(hist)
+
+    async def bind(self, session_id: str, new: Binding, expected: Binding | None) -> Binding:
+        """Store `new` if the session is unbound or still bound as `expected`; return the binding
+        that is stored now (the winner's, when another writer came first)."""
+        try:
+            stored = await self._bind(keys=[self.keys.binding(session_id)],
+                                      args=[expected.epoch if expected else 0, binding_to_json(new),
+                                            self.session_ttl_ms])
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return binding_from_json(stored)
+
+    async def write_history(self, session_id: str, ids: Sequence[int], replace: bool) -> None:
+        """Append `ids` to the history (or replace it with them); refresh the session's TTLs."""
+        k_hist, k_bind = self.keys.history(session_id), self.keys.binding(session_id)
+        try:
+            async with self.r.pipeline(transaction=True) as p:
+                if replace:
+                    p.set(k_hist, pack_tokens(ids))
+                elif ids:
+                    p.append(k_hist, pack_tokens(ids))
+                p.pexpire(k_hist, self.session_ttl_ms)
+                p.pexpire(k_bind, self.session_ttl_ms)
+                await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+
+    async def history_length(self, session_id: str) -> int:
+        try:
+            return (await self.r.strlen(self.keys.history(session_id))) // _TOKEN.itemsize
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+
+    async def forget(self, session_id: str) -> Binding | None:
+        """Delete the session's binding and history; return the binding it had."""
+        try:
+            async with self.r.pipeline(transaction=True) as p:
+                p.get(self.keys.binding(session_id))
+                p.delete(self.keys.binding(session_id), self.keys.history(session_id))
+                raw, _ = await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return binding_from_json(raw) if raw else None
+
+    # -- loads ---------------------------------------------------------------------------------
+    async def add_load(self, addresses: Iterable[str], turns: int, tokens: int) -> None:
+        """Add (or, negative, remove) in-flight turns and their context tokens."""
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                for a in addresses:
+                    if a:
+                        p.hincrby(self.keys.load(a), "turns", turns)
+                        p.hincrby(self.keys.load(a), "tokens", tokens)
+                        p.pexpire(self.keys.load(a), int(LOAD_TTL_S * 1000))
+                await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+
+    async def loads(self, addresses: Sequence[str]) -> dict[str, Load]:
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                for a in addresses:
+                    p.hmget(self.keys.load(a), "turns", "tokens")
+                rows = await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return {a: Load(max(0, int(t or 0)), max(0, int(q or 0))) for a, (t, q) in zip(addresses, rows, strict=True)}
+
+    async def next_seq(self) -> int:
+        try:
+            return int(await self.r.incr(self.keys.round_robin))
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc

@@ -1,0 +1,72 @@
+"""Text of a turn as the router streams it, from token ids alone (pure; `decode` is passed in).
+
+The router decodes the turn's tokens itself rather than forwarding the verifier's text deltas, so
+that a turn that moved to another verifier mid-stream still reads as one text, and a stop that
+straddles the move is still seen. The rules are the verifier's (verifier_service.turns and
+specmesh.engine): a stop fires at the first stop id, or at the first token whose trailing window
+of `STOP_WINDOW` tokens decodes to text containing a stop string; the shown text is cut before a
+stop string, and while streaming an incomplete UTF-8 character and any tail that could still
+grow into a stop string are held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+STOP_WINDOW = 64  # as specmesh.engine.STOP_WINDOW
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class Stops:
+    ids: frozenset[int] = frozenset()          # stop token ids, EOS included unless ignore_eos
+    strings: tuple[str, ...] = ()
+
+
+def first_stop(tokens: Sequence[int], start: int, stops: Stops, decode: Decode) -> int | None:
+    """Length to cut `tokens` (the turn's new tokens) to if a stop fires at index >= `start`."""
+    for i in range(start, len(tokens)):
+        if tokens[i] in stops.ids:
+            return i + 1
+    if stops.strings:
+        for i in range(start, len(tokens)):
+            text = decode(list(tokens[max(0, i + 1 - STOP_WINDOW): i + 1]))
+            if any(s in text for s in stops.strings):
+                return i + 1
+    return None
+
+
+def visible(text: str, strings: tuple[str, ...], final: bool) -> str:
+    cut = min((text.find(s) for s in strings if s in text), default=-1)
+    if cut >= 0:
+        return text[:cut]
+    if final:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
+
+
+@dataclass
+class TextStream:
+    """Text deltas of a growing list of tokens."""
+    decode: Decode
+    strings: tuple[str, ...] = ()
+    shown: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.tokens.extend(ids)
+        return self._delta(final=False)
+
+    def finish(self) -> str:
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        text = visible(self.decode(self.tokens), self.strings, final)
+        if len(text) <= len(self.shown):
+            return ""
+        delta, self.shown = text[len(self.shown):], text
+        return delta

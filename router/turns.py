@@ -1,0 +1,384 @@
+"""One turn of a session through the router: read the session from Redis, place it, forward it to
+the verifier as a stream, record the produced tokens, and fail over.
+
+Both front doors (gRPC servicer, HTTP API) call `Router.run(TurnRequest)` and get `Delta`s then
+one `Done`, or a RouterError. What a turn sends to the verifier:
+- `history` = what the session held before the turn (always set for a session, possibly empty,
+  so the verifier's state is exactly Redis's: it reuses its KV cache when its tokens match and
+  rebuilds from `history` otherwise), `token_ids` = the turn's new tokens;
+- after a failure **before the first token**: the same request to another verifier;
+- after a failure **mid-stream**: `history` = everything so far (old history + new tokens +
+  tokens already streamed), no new tokens, `max_tokens` reduced by what was streamed, to another
+  verifier. Greedy output is then token for token the uninterrupted one; a seeded sample is a
+  valid sample but not the uninterrupted one (the generator restarts).
+The client sees one stream: text is decoded here from the turn's tokens (router.text), not taken
+from the verifiers, and stops are checked here too, so a stop straddling the move is honoured.
+
+Input modes: `full_context=False` (gRPC): `ids` are appended to the session. `full_context=True`
+(OpenAI API, stateless by contract): `ids` are the whole context; when the stored history is a
+prefix of it only the rest is sent (KV reuse), otherwise the session is rebuilt from `ids`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from enum import Enum
+
+import grpc
+
+from router.config import RouterConfig
+from router.errors import Kind, RouterError, client_fault, invalid
+from router.metrics import Metrics
+from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
+from router.state import RouterState, StateUnavailable
+from router.text import Stops, TextStream, first_stop
+from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID = 256  # as the verifier's
+BUSY_BACKOFF_S = (0.05, 0.1, 0.2, 0.4, 0.8)
+MAX_STOP_STRINGS = 16
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    session_id: str                      # "" = one-shot
+    ids: list[int]                       # new tokens, or the whole context (full_context)
+    max_tokens: int
+    stops: Stops
+    # sampling, stop, stop_token_ids, ignore_eos, speculation: forwarded to the verifier as they are
+    template: verifier_pb2.GenerateRequest = field(default_factory=verifier_pb2.GenerateRequest)
+    full_context: bool = False
+    deadline: float | None = None        # time.monotonic() by which the turn must end
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str                   # stop | length | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    speculation: common_pb2.SpeculationStats
+
+
+class _History(Enum):
+    NONE = 0    # nothing of the turn written yet
+    OK = 1      # Redis holds everything streamed so far
+    DIRTY = 2   # a write failed: rewrite the whole history when the turn ends
+
+
+@dataclass
+class _Turn:
+    """Mutable progress of one turn across attempts."""
+    req: TurnRequest
+    base: list[int]                      # history the verifier must hold before the new tokens
+    new: list[int]                       # this turn's new tokens
+    text: TextStream                     # its `tokens` are the tokens streamed so far
+    history: _History
+    replace: bool = False                # the stored history is replaced (full_context mismatch)
+    finish: str | None = None            # set when the router saw the turn end
+    done: bool = False                   # Done yielded
+    excluded: set[str] = field(default_factory=set)
+    last_error: str = ""
+    t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def context(self) -> int:
+        return len(self.base) + len(self.new)
+
+    @property
+    def produced(self) -> list[int]:
+        return self.text.tokens
+
+
+class Router:
+    """The router's core: configuration, Redis state, the tokenizer, channels to verifiers."""
+
+    def __init__(self, cfg: RouterConfig, state: RouterState, tokenizer, model_name: str,
+                 metrics: Metrics | None = None) -> None:
+        self.cfg, self.state, self.tokenizer, self.model_name = cfg, state, tokenizer, model_name
+        self.metrics = metrics or Metrics()
+        self.policy = get_policy(cfg.policy)
+        self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # -- tokens and text -----------------------------------------------------------------------
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def encode(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        def run() -> list[int]:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            return await asyncio.to_thread(run)
+        except (ValueError, TypeError, KeyError) as e:
+            raise invalid("messages", f"cannot apply the chat template ({e})") from e
+
+    def authenticate(self, authorization: str | None) -> None:
+        """`Bearer KEY` with a configured key, or no keys configured; else UNAUTHENTICATED."""
+        if not self.cfg.api_keys:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip().encode(), k.encode())
+                                                for k in self.cfg.api_keys)
+        if not ok:
+            raise RouterError(Kind.UNAUTHENTICATED, "authorization: a valid API key is required (Bearer KEY)")
+
+    def check_request(self, size_bytes: int, max_tokens: int, session_id: str, stop_strings: int) -> None:
+        """The limits every request is checked against, whatever its front door."""
+        if size_bytes > self.cfg.max_request_bytes:
+            raise invalid("request_bytes", f"{size_bytes} bytes exceed max_request_bytes {self.cfg.max_request_bytes}")
+        if not 1 <= max_tokens <= self.cfg.max_tokens:
+            raise invalid("max_tokens", f"must be in [1, {self.cfg.max_tokens}], got {max_tokens}")
+        if len(session_id) > MAX_SESSION_ID:
+            raise invalid("session_id", f"longer than {MAX_SESSION_ID} characters")
+        if stop_strings > MAX_STOP_STRINGS:
+            raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+
+    def stops(self, strings: tuple[str, ...], ids: tuple[int, ...], ignore_eos: bool) -> Stops:
+        return Stops(frozenset(ids) | (frozenset() if ignore_eos else self.eos_ids), strings)
+
+    # -- one turn ------------------------------------------------------------------------------
+    async def run(self, req: TurnRequest) -> AsyncIterator[Delta | Done]:
+        """The turn's events. A verifier still finishing this session's previous turn (e.g. one
+        the client just cancelled) answers BUSY before any token: the turn then starts over,
+        re-reading the session, for up to ~1.5 s, so turns of one session run one after another."""
+        for delay in (*BUSY_BACKOFF_S, None):
+            emitted = False
+            try:
+                async with aclosing(self._run_once(req)) as events:
+                    async for event in events:
+                        emitted = True
+                        yield event
+                return
+            except RouterError as e:
+                if e.kind != Kind.BUSY or emitted or delay is None:
+                    raise
+            await asyncio.sleep(delay)
+
+    async def _run_once(self, req: TurnRequest) -> AsyncIterator[Delta | Done]:
+        sid = req.session_id
+        binding, history = await self.state.session(sid) if sid else (None, [])
+        # 1. what the verifier must hold before generating: `base` (kept history) + `new`
+        t = _Turn(req, base=history, new=req.ids, text=TextStream(self.decode, req.stops.strings),
+                  history=_History.OK if not sid else _History.NONE)  # one-shot turns keep nothing
+        if req.full_context and req.ids[: len(history)] != history:
+            t.base, t.replace = [], True
+        elif req.full_context:
+            t.new = req.ids[len(history):]
+        if t.context == 0:
+            raise invalid("input", "a turn needs at least one token")
+        if t.context > self.cfg.max_prompt_tokens:
+            raise invalid("prompt_tokens", f"{t.context} tokens exceed max_prompt_tokens {self.cfg.max_prompt_tokens}")
+        # 2. attempts: another verifier after any failure, before or after the first token
+        try:
+            for _ in range(self.cfg.max_attempts):
+                binding = await self._place(sid, binding, t.context + len(t.produced), t.excluded)
+                async with aclosing(self._attempt(t, binding, resumed=bool(t.produced))) as events:
+                    async for event in events:
+                        yield event
+                if t.done:
+                    return
+                if t.finish is not None:  # the stream ended after the last token, before Complete
+                    tail = t.text.finish()
+                    if tail:
+                        yield Delta([], tail)
+                    yield self._done(t, None, whole_turn=False)
+                    return
+                if t.produced:
+                    self.metrics.failovers += 1
+                else:
+                    self.metrics.retries += 1
+            raise RouterError(Kind.UNAVAILABLE, f"no verifier completed the turn after {self.cfg.max_attempts} "
+                                                f"attempts (last: {t.last_error})")
+        finally:
+            if t.history == _History.DIRTY:
+                await self._rewrite(sid, t.base + t.new + t.produced)
+
+    async def _attempt(self, t: _Turn, binding: Binding, resumed: bool) -> AsyncIterator[Delta | Done]:
+        """Stream the turn from one verifier until it completes (t.done), the router saw a stop
+        (t.finish), or the verifier failed (t.excluded grows)."""
+        req, sid = t.req, t.req.session_id
+        addrs = (binding.verifier, binding.drafter)
+        upstream = self._upstream(t, binding)
+        await self._add_load(addrs, 1, t.context)
+        self.metrics.in_flight += 1
+        call = None
+        try:
+            call = self._stub(binding.verifier).Generate(
+                upstream, timeout=None if req.deadline is None else max(0.001, req.deadline - time.monotonic()))
+            async for resp in call:
+                if t.history == _History.NONE:  # the verifier accepted the turn: record its prompt
+                    await self._record(t, t.base + t.new if t.replace else t.new, t.replace)
+                if resp.HasField("complete"):
+                    tail = t.text.finish()
+                    if tail:
+                        yield Delta([], tail)
+                    t.done = True
+                    yield self._done(t, resp.complete, whole_turn=not resumed)
+                    return
+                ids = list(resp.chunk.token_ids)
+                if t.finish is not None and ids:  # the verifier went past a stop it could not see
+                    return
+                start = len(t.produced)
+                cut = first_stop(t.produced + ids, start, req.stops, self.decode)
+                if cut is not None:
+                    ids, t.finish = ids[: cut - start], "stop"
+                elif start + len(ids) >= req.max_tokens:
+                    ids, t.finish = ids[: req.max_tokens - start], "length"
+                if not ids:
+                    continue
+                if t.history == _History.OK and sid:
+                    await self._record(t, ids, False)
+                if not start:
+                    self.metrics.observe_ttft(time.monotonic() - t.t0)
+                self.metrics.tokens_generated += len(ids)
+                yield Delta(ids, t.text.push(ids))
+        except grpc.aio.AioRpcError as e:
+            kind = client_fault(e.code())
+            if kind is not None:
+                raise RouterError(kind, e.details() or e.code().name) from e
+            t.last_error = f"{binding.verifier}: {e.code().name} {e.details()}"
+            log.warning("turn of %r failed on %s", sid, t.last_error)
+            t.excluded.add(binding.verifier)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._forget_endpoint(binding.verifier)
+        finally:
+            if call is not None:
+                call.cancel()
+            self.metrics.in_flight -= 1
+            await self._add_load(addrs, -1, -t.context)
+
+    def _upstream(self, t: _Turn, binding: Binding) -> verifier_pb2.GenerateRequest:
+        up = verifier_pb2.GenerateRequest()
+        up.CopyFrom(t.req.template)
+        up.session_id = t.req.session_id
+        up.drafter_address = binding.drafter
+        up.max_tokens = t.req.max_tokens - len(t.produced)
+        if t.produced:  # resume mid-turn: everything so far is history, nothing new
+            up.history.ids.extend(t.base + t.new + t.produced)
+            up.token_ids.SetInParent()
+        else:
+            if t.req.session_id:
+                up.history.SetInParent()
+                up.history.ids.extend(t.base)
+            up.token_ids.ids.extend(t.new)
+        return up
+
+    def _done(self, t: _Turn, complete: verifier_pb2.Complete | None, whole_turn: bool) -> Done:
+        """Usage of the whole turn. Cached prompt tokens and speculation stats are the last
+        verifier's: after a mid-turn move they cover only the resumed part (cached then 0)."""
+        cached = complete.usage.cached_prompt_tokens if complete is not None and whole_turn else 0
+        spec = complete.speculation if complete is not None else common_pb2.SpeculationStats()
+        self.metrics.prompt_tokens += t.context
+        self.metrics.cached_prompt_tokens += cached
+        finish = t.finish or (complete.finish_reason if complete is not None else "stop")
+        return Done(finish, t.context, len(t.produced), cached, spec)
+
+    async def _place(self, sid: str, current: Binding | None, context: int, excluded: set[str]) -> Binding:
+        """The verifier (and drafter) for the next attempt; stored as the session's binding."""
+        for _ in range(3):
+            endpoints = await self.state.endpoints()
+            loads = await self.state.loads([e.address for e in endpoints])
+            seq = await self.state.next_seq() if self.cfg.policy == PolicyName.ROUND_ROBIN.value else 0
+            meta = RequestMeta(sid, context, self.model_name, seq, frozenset(excluded), self.cfg.overload)
+            try:
+                chosen = self.policy(meta, endpoints, loads, current)
+            except NoVerifierError as e:
+                raise RouterError(Kind.UNAVAILABLE, f"{e} (registered: {sorted(x.address for x in endpoints)})") from e
+            if not sid or chosen == current:
+                self.metrics.placements["kept" if chosen == current else "one-shot"] += 1
+                return chosen
+            stored = await self.state.bind(sid, chosen, current)
+            live = {e.address for e in endpoints if e.role == Role.VERIFIER} - excluded
+            if stored == chosen or stored.verifier in live:  # ours, or another router's that is usable
+                self.metrics.placements["new" if current is None else "moved"] += 1
+                return stored
+            current = stored
+        raise RouterError(Kind.UNAVAILABLE, f"session {sid!r}: binding contended, try again")
+
+    async def _record(self, t: _Turn, ids: list[int], replace: bool) -> None:
+        """Write tokens to the session's history. A Redis failure does not stop the stream: the
+        turn goes on unrecorded and the whole history is rewritten when it ends."""
+        try:
+            await self.state.write_history(t.req.session_id, ids, replace)
+            t.history = _History.OK
+        except StateUnavailable as e:
+            log.error("session %r: history not recorded (%s)", t.req.session_id, e)
+            t.history = _History.DIRTY
+
+    async def _rewrite(self, sid: str, ids: list[int]) -> None:
+        try:
+            await self.state.write_history(sid, ids, True)
+        except StateUnavailable as e:
+            log.error("session %r: history lost while Redis is unavailable (%s); the next turn rebuilds "
+                      "from what Redis holds", sid, e)
+
+    async def _add_load(self, addrs: tuple[str, ...], turns: int, tokens: int) -> None:
+        try:
+            await self.state.add_load(addrs, turns, tokens)
+        except StateUnavailable as e:
+            log.warning("load counters: %s", e)
+
+    async def _forget_endpoint(self, address: str) -> None:
+        """A verifier that refused the connection leaves placement now, not at its heartbeat TTL;
+        if it is alive after all, its next heartbeat registers it again."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            await ch.close()
+        try:
+            await self.state.deregister(address)
+        except StateUnavailable as e:
+            log.warning("deregister %s: %s", address, e)
+
+    def _stub(self, address: str) -> verifier_pb2_grpc.VerifierStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return verifier_pb2_grpc.VerifierStub(ch)
+
+    # -- other operations ----------------------------------------------------------------------
+    async def models(self) -> list[tuple[str, int, int]]:
+        """(model name, live verifiers, live drafters) of the model this router serves."""
+        eps = [e for e in await self.state.endpoints() if not e.model or e.model == self.model_name]
+        return [(self.model_name, sum(e.role == Role.VERIFIER for e in eps), sum(e.role == Role.DRAFTER for e in eps))]
+
+    async def close_session(self, sid: str) -> bool:
+        binding = await self.state.forget(sid)
+        if binding is None:
+            return False
+        try:
+            await self._stub(binding.verifier).CloseSession(verifier_pb2.CloseSessionRequest(session_id=sid), timeout=5)
+        except grpc.aio.AioRpcError as e:  # its KV cache goes with LRU eviction instead
+            log.warning("close session %r on %s: %s", sid, binding.verifier, e.code().name)
+        return True
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        await self.state.close()

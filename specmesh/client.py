@@ -1,0 +1,378 @@
+"""specmesh SDK: `Client` (blocking) and `AsyncClient` (asyncio) for the router's gRPC API
+(`specmesh.v1.Router`).
+
+    with Client("127.0.0.1:50050", api_key="...") as c:
+        stream = c.generate("Hello", max_tokens=32, session_id="chat-1")
+        for chunk in stream:                 # Chunk(token_ids, text)
+            print(chunk.text, end="")
+        print(stream.result.usage)           # Completion once the stream is exhausted
+        out = c.complete([1, 2, 3], max_tokens=8)   # Completion(text, token_ids, finish_reason, usage, speculation)
+
+- `prompt` is text (tokenized by the router) or token ids; with a `session_id` it is appended to
+  the session (one turn), without one the request is one-shot.
+- Retries: a failure before the first response (UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED,
+  INTERNAL, UNKNOWN) is retried up to `retries` times with backoff, on the next address when
+  several router replicas are given, within `timeout`. Never after the first token: the router
+  already fails over between verifiers mid-stream, and a repeat would duplicate output.
+- Cancellation: closing the stream (`stream.cancel()`, leaving a `with` block, `break` out of a
+  loop over a stream nobody else holds, cancelling the asyncio task) cancels the RPC, and the
+  router cancels the verifier's turn.
+- Errors: `SpecmeshError` with the gRPC `code` and the server's `details` (which name the field
+  or limit at fault).
+
+Only this module of specmesh/ imports grpc for clients; it knows nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+
+import grpc
+
+from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, verifier_pb2
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+BACKOFF_S = (0.1, 0.3, 1.0, 2.0)
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class SpecmeshError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    text: str  # text delta
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    tokens_per_step: float = 0.0
+    rejected_trees: int = 0
+    drafter_timeouts: int = 0
+    verify_idle_fraction: float = 0.0
+    predraft_hits: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | cancelled
+    usage: Usage = field(default_factory=Usage)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+
+@dataclass(frozen=True)
+class Model:
+    id: str
+    verifiers: int
+    drafters: int
+
+
+def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                  top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, session_id: str = "",
+                  speculate: bool = True, budget: int = 0, depth: int = 0) -> verifier_pb2.GenerateRequest:
+    """The GenerateRequest of one turn (budget/depth 0 = the verifier's defaults)."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        sampling.seed = seed
+    req = verifier_pb2.GenerateRequest(
+        session_id=session_id, sampling=sampling, max_tokens=max_tokens, stop=list(stop),
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        speculation=verifier_pb2.SpeculationOptions(disabled=not speculate, budget=budget, depth=depth))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def _completion(complete: verifier_pb2.Complete, token_ids: list[int], texts: list[str]) -> Completion:
+    u = complete.usage
+    spec = SpeculationStats(**{f.name: getattr(complete.speculation, f.name) for f in fields(SpeculationStats)})
+    return Completion("".join(texts), token_ids, complete.finish_reason,
+                      Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens), spec)
+
+
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _may_retry(e: grpc.RpcError, attempt: int, retries: int, deadline: float | None) -> float | None:
+    """Seconds to wait before retrying, or None to give up."""
+    if e.code() not in RETRYABLE or attempt >= retries:
+        return None
+    wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+    if deadline is not None and time.monotonic() + wait >= deadline:
+        return None
+    return wait
+
+
+class _Base:
+    def __init__(self, target: str | Sequence[str], api_key: str | None, timeout: float | None, retries: int,
+                 credentials: grpc.ChannelCredentials | None) -> None:
+        self.addresses = [target] if isinstance(target, str) else list(target)
+        if not self.addresses:
+            raise ValueError("target: at least one address")
+        self.api_key, self.timeout, self.retries, self.credentials = api_key, timeout, retries, credentials
+        self._next = 0
+
+    def _pick(self) -> int:
+        i = self._next
+        self._next = (self._next + 1) % len(self.addresses)
+        return i
+
+
+class Stream:
+    """The chunks of one generation; `result` holds the Completion once it is exhausted."""
+
+    def __init__(self, client: Client, request: verifier_pb2.GenerateRequest, timeout: float | None,
+                 api_key: str | None) -> None:
+        self._box: dict[str, Completion] = {}  # the generator holds the box, not the Stream: no cycle,
+        self._gen = client._stream(self._box, request, timeout, api_key)  # so dropping the Stream cancels
+
+    @property
+    def result(self) -> Completion | None:
+        return self._box.get("result")
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._gen)
+
+    def cancel(self) -> None:
+        """Stop: cancels the RPC (and the verifier's work). Safe to call twice."""
+        self._gen.close()
+
+    close = cancel
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        gen = getattr(self, "_gen", None)
+        if gen is not None:
+            gen.close()
+
+
+class Client(_Base):
+    def __init__(self, target: str | Sequence[str], *, api_key: str | None = None, timeout: float | None = None,
+                 retries: int = 3, credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(target, api_key, timeout, retries, credentials)
+        self._channels = [grpc.secure_channel(a, credentials, CHANNEL_OPTIONS) if credentials else
+                          grpc.insecure_channel(a, CHANNEL_OPTIONS) for a in self.addresses]
+        self._stubs = [router_pb2_grpc.RouterStub(ch) for ch in self._channels]
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None,
+                 **params) -> Stream:
+        """Stream one turn. `params`: max_tokens, temperature, top_p, top_k, seed, stop,
+        stop_token_ids, ignore_eos, session_id, speculate, budget, depth (see build_request)."""
+        return Stream(self, build_request(prompt, **params), timeout or self.timeout, api_key or self.api_key)
+
+    def complete(self, prompt: str | Sequence[int], **kw) -> Completion:
+        with self.generate(prompt, **kw) as stream:
+            for _ in stream:
+                pass
+            assert stream.result is not None
+            return stream.result
+
+    def _stream(self, box: dict, request, timeout: float | None, api_key: str | None) -> Iterator[Chunk]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ids: list[int] = []
+        texts: list[str] = []
+        attempt = 0
+        while True:
+            stub = self._stubs[self._pick()]
+            call = stub.Generate(request, timeout=_remaining(deadline), metadata=_metadata(api_key))
+            received = False
+            try:
+                for resp in call:
+                    received = True
+                    if resp.HasField("chunk"):
+                        ids.extend(resp.chunk.token_ids)
+                        texts.append(resp.chunk.text)
+                        yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+                    else:
+                        box["result"] = _completion(resp.complete, ids, texts)
+                return
+            except grpc.RpcError as e:
+                wait = None if received else _may_retry(e, attempt, self.retries, deadline)
+                if wait is None:
+                    raise SpecmeshError(e.code(), e.details() or "") from None
+                attempt += 1
+                time.sleep(wait)
+            finally:
+                call.cancel()
+
+    def _unary(self, method: str, request, api_key: str | None):
+        """A unary call, retried like a stream before its first response."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            try:
+                return getattr(self._stubs[self._pick()], method)(
+                    request, timeout=_remaining(deadline), metadata=_metadata(api_key or self.api_key))
+            except grpc.RpcError as e:
+                wait = _may_retry(e, attempt, self.retries, deadline)
+                if wait is None:
+                    raise SpecmeshError(e.code(), e.details() or "") from None
+                attempt += 1
+                time.sleep(wait)
+
+    def list_models(self, api_key: str | None = None) -> list[Model]:
+        r = self._unary("ListModels", router_pb2.ListModelsRequest(), api_key)
+        return [Model(m.id, m.verifiers, m.drafters) for m in r.models]
+
+    def close_session(self, session_id: str, api_key: str | None = None) -> bool:
+        """Forget a session (binding, history, the verifier's KV cache); whether it existed."""
+        return self._unary("CloseSession", verifier_pb2.CloseSessionRequest(session_id=session_id), api_key).existed
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStream:
+    """Async iterator of the chunks of one generation; `result` once exhausted; `aclose()` cancels."""
+
+    def __init__(self, client: AsyncClient, request, timeout: float | None, api_key: str | None) -> None:
+        self._box: dict[str, Completion] = {}
+        self._gen = client._stream(self._box, request, timeout, api_key)
+
+    @property
+    def result(self) -> Completion | None:
+        return self._box.get("result")
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    cancel = aclose
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncClient(_Base):
+    def __init__(self, target: str | Sequence[str], *, api_key: str | None = None, timeout: float | None = None,
+                 retries: int = 3, credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(target, api_key, timeout, retries, credentials)
+        self._channels = [grpc.aio.secure_channel(a, credentials, CHANNEL_OPTIONS) if credentials else
+                          grpc.aio.insecure_channel(a, CHANNEL_OPTIONS) for a in self.addresses]
+        self._stubs = [router_pb2_grpc.RouterStub(ch) for ch in self._channels]
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None,
+                 **params) -> AsyncStream:
+        return AsyncStream(self, build_request(prompt, **params), timeout or self.timeout, api_key or self.api_key)
+
+    async def complete(self, prompt: str | Sequence[int], **kw) -> Completion:
+        async with self.generate(prompt, **kw) as stream:
+            async for _ in stream:
+                pass
+            assert stream.result is not None
+            return stream.result
+
+    async def _stream(self, box: dict, request, timeout: float | None,
+                      api_key: str | None) -> AsyncIterator[Chunk]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ids: list[int] = []
+        texts: list[str] = []
+        attempt = 0
+        while True:
+            stub = self._stubs[self._pick()]
+            call = stub.Generate(request, timeout=_remaining(deadline), metadata=_metadata(api_key))
+            received = False
+            try:
+                async for resp in call:
+                    received = True
+                    if resp.HasField("chunk"):
+                        ids.extend(resp.chunk.token_ids)
+                        texts.append(resp.chunk.text)
+                        yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+                    else:
+                        box["result"] = _completion(resp.complete, ids, texts)
+                return
+            except grpc.aio.AioRpcError as e:
+                wait = None if received else _may_retry(e, attempt, self.retries, deadline)
+                if wait is None:
+                    raise SpecmeshError(e.code(), e.details() or "") from None
+                attempt += 1
+                await asyncio.sleep(wait)
+            finally:
+                call.cancel()
+
+    async def _unary(self, method: str, request, api_key: str | None):
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            try:
+                return await getattr(self._stubs[self._pick()], method)(
+                    request, timeout=_remaining(deadline), metadata=_metadata(api_key or self.api_key))
+            except grpc.aio.AioRpcError as e:
+                wait = _may_retry(e, attempt, self.retries, deadline)
+                if wait is None:
+                    raise SpecmeshError(e.code(), e.details() or "") from None
+                attempt += 1
+                await asyncio.sleep(wait)
+
+    async def list_models(self, api_key: str | None = None) -> list[Model]:
+        r = await self._unary("ListModels", router_pb2.ListModelsRequest(), api_key)
+        return [Model(m.id, m.verifiers, m.drafters) for m in r.models]
+
+    async def close_session(self, session_id: str, api_key: str | None = None) -> bool:
+        r = await self._unary("CloseSession", verifier_pb2.CloseSessionRequest(session_id=session_id), api_key)
+        return r.existed
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

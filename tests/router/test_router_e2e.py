@@ -1,0 +1,354 @@
+"""The router as a real process between real verifiers (bundled SmolLM2, --threads 1) and a real
+redis-server on 127.0.0.1: output identical to the verifier's, affinity across turns and across
+two routers, failover under kill -9 mid-stream with nothing lost or duplicated, retry before the
+first token, auth, limits, cancellation, the official openai client, Redis down and back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent import futures
+
+import grpc
+import openai
+import pytest
+import redis
+
+from router.policies import Binding
+from router.state import Keys, binding_from_json, binding_to_json, unpack_tokens
+from specmesh.client import AsyncClient, Client, SpecmeshError
+from specmesh.loader import bundled_target_path, load_tokenizer
+from specmesh.v1 import router_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.e2e.procs import Proc, start
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+KEY = "test-key"
+KEYS = Keys()
+HTTP = re.compile(r" http ([\d.]+):(\d+)")
+LIMITS = ("--max-prompt-tokens", "600", "--max-tokens", "64", "--max-request-bytes", "20000")
+
+
+def start_verifier(redis_url: str) -> Proc:
+    return start("verifier_service", "--threads", "1", "--redis-url", redis_url)
+
+
+def start_router(redis_url: str) -> Proc:
+    return start("router", "--http-port", "0", "--redis-url", redis_url, "--api-key", KEY, *LIMITS)
+
+
+def http_address(p: Proc) -> str:
+    m = next(HTTP.search(line) for line in p.lines if HTTP.search(line))
+    return f"{m.group(1)}:{m.group(2)}"
+
+
+def wait_registered(r: redis.Redis, addresses: list[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r.exists(KEYS.endpoint(a)) for a in addresses):
+        assert time.monotonic() < deadline, f"not registered: {addresses}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(bundled_target_path())
+
+
+@pytest.fixture(scope="module")
+def r(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, r):
+    """Two verifiers and two routers on one Redis, started side by side."""
+    with futures.ThreadPoolExecutor(4) as pool:
+        vs = [pool.submit(start_verifier, redis_server.url) for _ in range(2)]
+        rs = [pool.submit(start_router, redis_server.url) for _ in range(2)]
+        verifiers, routers = [f.result() for f in vs], [f.result() for f in rs]
+    wait_registered(r, [v.address for v in verifiers])
+    yield verifiers, routers
+    for p in routers + verifiers:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(cluster):
+    _, routers = cluster
+    cs = [Client(p.address, api_key=KEY, timeout=120) for p in routers]
+    yield cs
+    for c in cs:
+        c.close()
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def direct(address: str, ids: list[int], max_tokens: int, **kw) -> tuple[list[int], str]:
+    """Greedy one-shot on a verifier, bypassing the router: the reference."""
+    req = verifier_pb2.GenerateRequest(max_tokens=max_tokens, token_ids=verifier_pb2.TokenIds(ids=ids), **kw)
+    out, text = [], []
+    with grpc.insecure_channel(address) as ch:
+        for resp in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120):
+            if resp.HasField("chunk"):
+                out.extend(resp.chunk.token_ids)
+                text.append(resp.chunk.text)
+    return out, "".join(text)
+
+
+def binding(r: redis.Redis, sid: str) -> Binding:
+    return binding_from_json(r.get(KEYS.binding(sid)))
+
+
+def history(r: redis.Redis, sid: str) -> list[int]:
+    return unpack_tokens(r.get(KEYS.history(sid)))
+
+
+def test_greedy_output_identical_to_the_verifier(tok, cluster, clients):
+    verifiers, _ = cluster
+    ids = chat_ids(tok, "What is the capital of France?")
+    expected_ids, expected_text = direct(verifiers[0].address, ids, 24)
+    one_shot = clients[0].complete(ids, max_tokens=24)
+    chunks = list(clients[1].generate(ids, max_tokens=24, session_id="greedy-1"))
+    assert one_shot.token_ids == expected_ids and one_shot.text == expected_text
+    assert [t for c in chunks for t in c.token_ids] == expected_ids and "".join(c.text for c in chunks) == expected_text
+    assert one_shot.usage.prompt_tokens == len(ids) and one_shot.usage.completion_tokens == len(expected_ids)
+    assert one_shot.finish_reason in ("stop", "length")
+
+
+def test_affinity_over_turns_keeps_the_verifier_and_its_kv_cache(tok, cluster, clients, r):
+    sid, context, bound = "affinity-1", 0, None
+    for text in ["Name a color.", "Another one?", "And a third?", "Thanks."]:
+        ids = tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        out = clients[0].complete(ids, max_tokens=8, session_id=sid)
+        assert out.usage.cached_prompt_tokens == context  # every earlier token came from the KV cache
+        context += len(ids) + len(out.token_ids)
+        assert out.usage.prompt_tokens == context - len(out.token_ids)
+        bound = bound or binding(r, sid)
+        assert binding(r, sid) == bound and bound.epoch == 1
+        assert len(history(r, sid)) == context
+
+
+def test_two_routers_share_one_session(tok, cluster, clients, r):
+    verifiers, _ = cluster
+    sid, all_ids = "two-routers-1", []
+    for i in range(4):  # alternate routers A, B, A, B
+        ids = tok.encode(f" Turn {i}: tell me more.", add_special_tokens=False)
+        out = clients[i % 2].complete(ids, max_tokens=6, session_id=sid)
+        assert out.usage.cached_prompt_tokens == len(all_ids)
+        all_ids += ids
+        expected, _ = direct(verifiers[0].address, all_ids, 6)
+        assert out.token_ids == expected
+        all_ids += out.token_ids
+    assert binding(r, sid).epoch == 1 and history(r, sid) == all_ids
+
+
+def test_close_session_forgets_it_everywhere(tok, clients, r):
+    clients[0].complete(tok.encode("Hello there.", add_special_tokens=False), max_tokens=2, session_id="close-1")
+    assert r.exists(KEYS.binding("close-1")) and r.exists(KEYS.history("close-1"))
+    assert clients[1].close_session("close-1") is True
+    assert not r.exists(KEYS.binding("close-1")) and not r.exists(KEYS.history("close-1"))
+    assert clients[0].close_session("close-1") is False
+
+
+def test_kill9_of_the_bound_verifier_mid_stream_loses_and_duplicates_nothing(tok, redis_server, cluster, clients, r):
+    verifiers, routers = cluster
+    ids = chat_ids(tok, "Count from one to fifty in words, separated by commas.")
+    expected_ids, expected_text = direct(verifiers[0].address, ids, 40, ignore_eos=True)
+    victim = start_verifier(redis_server.url)
+    try:
+        wait_registered(r, [victim.address])
+        sid = "failover-1"
+        r.set(KEYS.binding(sid), binding_to_json(Binding(victim.address)), ex=600)  # bound to the victim
+        got, after_kill = [], 0
+        stream = clients[0].generate(ids, max_tokens=40, ignore_eos=True, session_id=sid)
+        for chunk in stream:
+            got.append(chunk)
+            if victim.popen.poll() is None and sum(len(c.token_ids) for c in got) >= 5:
+                victim.kill9()
+                after_kill = len(got)
+        tokens = [t for c in got for t in c.token_ids]
+        assert 0 < after_kill < len(got), "the kill did not land mid-stream"
+        assert tokens == expected_ids and "".join(c.text for c in got) == expected_text
+        assert stream.result.finish_reason == "length" and stream.result.usage.completion_tokens == 40
+        moved = binding(r, sid)
+        assert moved.verifier in {v.address for v in verifiers} and moved.epoch == 2
+        assert history(r, sid) == ids + expected_ids
+        assert not r.exists(KEYS.endpoint(victim.address))  # dropped at once, not at its TTL
+        metrics = urllib.request.urlopen(f"http://{http_address(routers[0])}/metrics", timeout=10).read().decode()
+        assert re.search(r"^specmesh_router_failovers_total [1-9]", metrics, re.M)
+    finally:
+        victim.stop()
+
+
+def test_dead_bound_verifier_is_retried_before_the_first_token(tok, cluster, clients, r):
+    verifiers, _ = cluster
+    dead = "127.0.0.1:9"  # registered, but nothing listens there
+    r.set(KEYS.endpoint(dead), json.dumps({"address": dead, "role": "verifier"}), ex=600)
+    r.zadd(KEYS.index, {dead: 0})
+    sid = "retry-1"
+    r.set(KEYS.binding(sid), binding_to_json(Binding(dead)), ex=600)
+    ids = chat_ids(tok, "Name three primary colors.")
+    out = clients[1].complete(ids, max_tokens=12, session_id=sid)
+    assert out.token_ids == direct(verifiers[0].address, ids, 12)[0]
+    assert binding(r, sid).verifier != dead and not r.exists(KEYS.endpoint(dead))
+
+
+def test_async_client_retries_on_another_router_and_cancels(tok, cluster, r):
+    verifiers, routers = cluster
+    ids = chat_ids(tok, "Name a fruit.")
+    expected, _ = direct(verifiers[0].address, ids, 6)
+
+    async def main():
+        async with AsyncClient(["127.0.0.1:9", routers[1].address], api_key=KEY, timeout=120) as c:
+            out = await c.complete(ids, max_tokens=6)  # the first address refuses: retried on the next
+            models = await c.list_models()
+            stream = c.generate(ids, max_tokens=64, ignore_eos=True, session_id="async-cancel")
+            got = [chunk async for chunk, _ in zip_n(stream, 2)]
+            await stream.aclose()
+            return out, models, got
+    out, models, got = asyncio.run(main())
+    assert out.token_ids == expected and out.usage.completion_tokens == len(expected)
+    assert models[0].verifiers >= 2 and len(got) == 2
+    deadline = time.monotonic() + 20
+    while int(r.hget(KEYS.load(binding(r, "async-cancel").verifier), "turns") or 0) > 0:
+        assert time.monotonic() < deadline, "the cancelled turn is still running"
+        time.sleep(0.1)
+
+
+async def zip_n(stream, n: int):
+    i = 0
+    async for chunk in stream:
+        yield chunk, i
+        i += 1
+        if i == n:
+            return
+
+
+def test_api_keys_are_required(cluster, clients):
+    _, routers = cluster
+    for key in (None, "wrong"):
+        with pytest.raises(SpecmeshError) as e:
+            Client(routers[0].address, api_key=key, retries=0).complete("hi", max_tokens=2)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(openai.AuthenticationError) as h:
+        openai.OpenAI(base_url=f"http://{http_address(routers[0])}/v1", api_key="wrong", max_retries=0).models.list()
+    assert h.value.status_code == 401 and h.value.body["type"] == "authentication_error"
+    with pytest.raises(urllib.error.HTTPError) as u:  # no Authorization header at all
+        urllib.request.urlopen(f"http://{http_address(routers[1])}/v1/models", timeout=30)
+    assert u.value.code == 401 and "API key" in json.loads(u.value.read())["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        with grpc.insecure_channel(routers[0].address) as ch:
+            list(router_pb2_grpc.RouterStub(ch).Generate(verifier_pb2.GenerateRequest(text="hi", max_tokens=2)))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("field, params", [
+    ("prompt_tokens", dict(prompt=[1] * 700)),
+    ("max_tokens", dict(max_tokens=65)),
+    ("request_bytes", dict(prompt=[40000] * 7000)),
+    ("temperature", dict(temperature=-1.0)),      # checked by the verifier, passed on as it is
+])
+def test_limits_are_invalid_argument_naming_the_limit(cluster, clients, field, params):
+    _, routers = cluster
+    prompt = params.pop("prompt", "Hello")
+    with pytest.raises(SpecmeshError) as e:
+        clients[0].complete(prompt, **{"max_tokens": 4, **params})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details
+    body = {"model": "", "prompt": prompt, "max_tokens": params.get("max_tokens", 4),
+            "temperature": params.get("temperature", 0)}
+    req = urllib.request.Request(f"http://{http_address(routers[1])}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(req, timeout=60)
+    assert h.value.code == 400 and field in json.loads(h.value.read())["error"]["message"]
+
+
+def test_clients_may_not_choose_drafter_or_history(cluster):
+    _, routers = cluster
+    with grpc.insecure_channel(routers[0].address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        for field, kw in (("drafter_address", dict(drafter_address="10.0.0.1:1")),
+                          ("history", dict(history=verifier_pb2.TokenIds(ids=[1, 2])))):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(verifier_pb2.GenerateRequest(text="hi", max_tokens=2, **kw),
+                                   metadata=(("authorization", f"Bearer {KEY}"),)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+def test_cancel_stops_the_turn_and_the_session_stays_consistent(tok, cluster, clients, r):
+    verifiers, _ = cluster
+    sid = "cancel-1"
+    ids = chat_ids(tok, "Write a long story about a dragon.")
+    stream = clients[0].generate(ids, max_tokens=64, ignore_eos=True, session_id=sid)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.cancel()
+    deadline = time.monotonic() + 20  # the verifier stops: its in-flight counters drain
+    while int(r.hget(KEYS.load(binding(r, sid).verifier), "turns") or 0) > 0:
+        assert time.monotonic() < deadline, "the cancelled turn is still running"
+        time.sleep(0.1)
+    kept = history(r, sid)
+    assert kept[: len(ids)] == ids and len(ids) + 3 <= len(kept) < len(ids) + 64
+    follow = tok.encode(" The end.", add_special_tokens=False)
+    out = clients[1].complete(follow, max_tokens=8, session_id=sid)
+    assert out.token_ids == direct(verifiers[0].address, kept + follow, 8)[0]
+
+
+def test_openai_client_completions_and_chat(tok, cluster):
+    verifiers, routers = cluster
+    oa = openai.OpenAI(base_url=f"http://{http_address(routers[0])}/v1", api_key=KEY, max_retries=0)
+    model = oa.models.list().data[0].id
+    prompt = "The three largest planets of the solar system are"
+    ref_ids, ref_text = direct(verifiers[1].address, tok.encode(prompt, add_special_tokens=False), 16)
+    c = oa.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    assert c.choices[0].text == ref_text and c.usage.completion_tokens == len(ref_ids)
+    streamed = list(oa.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+    assert "".join(s.choices[0].text for s in streamed if s.choices) == ref_text
+    assert streamed[-1].usage.completion_tokens == len(ref_ids)
+
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat_ref_ids, chat_ref = direct(verifiers[1].address, chat_ids(tok, "What is 2 + 2?"), 24)
+    m = oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
+                                   extra_headers={"X-Session-ID": "openai-chat-1"})
+    assert m.choices[0].message.content == chat_ref and m.choices[0].message.role == "assistant"
+    parts = list(oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0, stream=True))
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat_ref
+    assert parts[-1].choices[0].finish_reason == m.choices[0].finish_reason
+    # the next request of the conversation reuses the session's KV cache: only the new part is prefilled
+    follow = question + [{"role": "assistant", "content": chat_ref}, {"role": "user", "content": "And 3 + 3?"}]
+    m2 = oa.chat.completions.create(model=model, messages=follow, max_tokens=12, temperature=0,
+                                    extra_headers={"X-Session-ID": "openai-chat-1"})
+    full = tok.apply_chat_template(follow, add_generation_prompt=True, tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    assert m2.choices[0].message.content == direct(verifiers[1].address, full, 12)[1]
+    assert m2.usage.prompt_tokens == len(full)
+    assert m2.usage.prompt_tokens_details.cached_tokens == len(chat_ids(tok, "What is 2 + 2?")) + len(chat_ref_ids)
+
+
+def test_redis_down_gives_clear_errors_and_recovery(tok, redis_server, cluster, clients, r):
+    """Last in the module: Redis restarts empty (no persistence), verifiers re-register."""
+    verifiers, routers = cluster
+    redis_server.stop()
+    try:
+        with pytest.raises(SpecmeshError) as e:
+            clients[0].complete("Hello", max_tokens=2, session_id="redis-down")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "redis" in e.value.details
+        with pytest.raises(urllib.error.HTTPError) as h:
+            urllib.request.urlopen(f"http://{http_address(routers[1])}/health", timeout=30)
+        assert h.value.code == 503
+    finally:
+        redis_server.start()
+    wait_registered(r, [v.address for v in verifiers])
+    out = clients[0].complete("Hello", max_tokens=2, session_id="redis-down")
+    assert len(out.token_ids) == 2 and binding(r, "redis-down").epoch == 1

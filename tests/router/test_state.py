@@ -1,0 +1,187 @@
+"""Router state on a real redis-server: registry TTL expiry, first-writer-wins bindings, token
+history, load counters, the heartbeat thread, and clear errors while Redis is down."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+
+from router.policies import Binding, Endpoint, Load, Role
+from router.register import Heartbeat, model_name
+from router.state import RouterState, StateUnavailable, pack_tokens, unpack_tokens
+from tests.router.redis_proc import RedisServer, redis_server_binary
+
+
+def run(coro_fn, url: str, **kw):
+    """Run `coro_fn(state)` against a fresh prefix on `url`."""
+    async def main():
+        state = RouterState.from_url(url, prefix=f"t-{uuid.uuid4().hex[:8]}:", **kw)
+        try:
+            return await coro_fn(state)
+        finally:
+            await state.close()
+    return asyncio.run(main())
+
+
+def test_registry_entries_expire_with_their_ttl(redis_server):
+    async def body(s: RouterState):
+        await s.register(Endpoint("a:1", Role.VERIFIER, model="m", capacity=4), ttl_s=0.4)
+        await s.register(Endpoint("b:1", Role.DRAFTER), ttl_s=30)
+        first = await s.endpoints()
+        await asyncio.sleep(0.7)
+        second = await s.endpoints()
+        index = await s.r.zrange(s.keys.index, 0, -1)
+        return first, second, index
+    first, second, index = run(body, redis_server.url)
+    assert sorted(e.address for e in first) == ["a:1", "b:1"]
+    assert first[[e.address for e in first].index("a:1")] == Endpoint("a:1", Role.VERIFIER, model="m", capacity=4)
+    assert [e.address for e in second] == ["b:1"]
+    assert index == [b"b:1"]  # the expired entry is pruned from the index too
+
+
+def test_binding_first_writer_wins_and_rebinding_is_compare_and_set(redis_server):
+    async def body(s: RouterState):
+        won = await s.bind("sess", Binding("a:1", "d:1", 1), None)
+        lost = await s.bind("sess", Binding("b:1", "", 1), None)  # a second router, same moment
+        moved = await s.bind("sess", Binding("b:1", "d:1", 2), won)
+        stale = await s.bind("sess", Binding("c:1", "d:1", 2), won)  # read epoch 1, but it is 2 now
+        racing = await asyncio.gather(*(s.bind("race", Binding(f"v{i}:1", "", 1), None) for i in range(8)))
+        ttl = await s.r.pttl(s.keys.binding("sess"))
+        return won, lost, moved, stale, racing, ttl
+    won, lost, moved, stale, racing, ttl = run(body, redis_server.url, session_ttl_s=60)
+    assert won == lost == Binding("a:1", "d:1", 1)
+    assert moved == stale == Binding("b:1", "d:1", 2)
+    assert len(set(racing)) == 1
+    assert 50_000 < ttl <= 60_000
+
+
+def test_history_append_replace_and_ttl_refresh(redis_server):
+    async def body(s: RouterState):
+        assert await s.session("h") == (None, [])
+        await s.bind("h", Binding("a:1"), None)
+        await s.write_history("h", [1, 2, 3], replace=False)
+        await s.write_history("h", [49151, 0, 2**31 - 1], replace=False)
+        b, hist = await s.session("h")
+        n = await s.history_length("h")
+        await s.write_history("h", [7], replace=True)
+        _, replaced = await s.session("h")
+        ttls = await s.r.pttl(s.keys.history("h")), await s.r.pttl(s.keys.binding("h"))
+        forgotten = await s.forget("h")
+        gone = await s.session("h")
+        return b, hist, n, replaced, ttls, forgotten, gone
+    b, hist, n, replaced, ttls, forgotten, gone = run(body, redis_server.url, session_ttl_s=120)
+    assert b == Binding("a:1") and hist == [1, 2, 3, 49151, 0, 2**31 - 1] and n == 6
+    assert replaced == [7]
+    assert all(110_000 < t <= 120_000 for t in ttls)
+    assert forgotten == Binding("a:1") and gone == (None, [])
+
+
+def test_pack_tokens_is_little_endian_int32():
+    assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert unpack_tokens(pack_tokens([5, 0, 123456])) == [5, 0, 123456]
+    assert unpack_tokens(None) == []
+
+
+def test_load_counters_add_up_across_routers(redis_server):
+    async def body(s: RouterState):
+        other = RouterState(s.r, s.keys.prefix)  # a second router on the same keys
+        await s.add_load(["a:1", "d:1"], 1, 1000)
+        await other.add_load(["a:1"], 1, 500)
+        mid = await s.loads(["a:1", "d:1", "z:1"])
+        await s.add_load(["a:1", "d:1"], -1, -1000)
+        await other.add_load(["a:1"], -1, -500)
+        end = await s.loads(["a:1"])
+        seqs = [await s.next_seq() for _ in range(3)]
+        return mid, end, seqs
+    mid, end, seqs = run(body, redis_server.url)
+    assert mid == {"a:1": Load(2, 1500), "d:1": Load(1, 1000), "z:1": Load(0, 0)}
+    assert end == {"a:1": Load(0, 0)}
+    assert seqs[1] == seqs[0] + 1 and seqs[2] == seqs[0] + 2
+
+
+def test_heartbeat_registers_refreshes_and_deregisters(redis_server):
+    prefix = f"hb-{uuid.uuid4().hex[:8]}:"
+    sessions = [3]
+    hb = Heartbeat(redis.Redis.from_url(redis_server.url), Endpoint("v:1", Role.VERIFIER, model="m"),
+                   load=lambda: {"active_sessions": sessions[0]}, interval_s=0.1, ttl_s=0.5, prefix=prefix).start()
+
+    async def endpoints(s: RouterState):
+        return await RouterState(s.r, prefix).endpoints()
+    try:
+        time.sleep(0.3)
+        assert run(endpoints, redis_server.url) == [Endpoint("v:1", Role.VERIFIER, model="m", active_sessions=3)]
+        sessions[0] = 5
+        time.sleep(0.8)  # longer than the TTL: only the refreshes keep it registered
+        assert run(endpoints, redis_server.url)[0].active_sessions == 5
+    finally:
+        hb.stop()
+    assert run(endpoints, redis_server.url) == []
+
+
+def test_model_name_of_paths():
+    assert model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert model_name("/models/Llama-3.1-8B") == "Llama-3.1-8B"
+
+
+def test_redis_down_is_a_clear_unavailable_error_and_recovers(tmp_path):
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary, tmp_path).start()
+
+    async def body(s: RouterState):
+        await s.bind("r", Binding("a:1"), None)
+        server.stop()
+        errors = []
+        for op in (s.session("r"), s.endpoints(), s.write_history("r", [1], False), s.ping()):
+            with pytest.raises(StateUnavailable) as e:
+                await op
+            errors.append(e.value)
+        server.start()  # same port, empty (no persistence): bindings are gone, not corrupted
+        after = await s.session("r")
+        await s.bind("r", Binding("b:1"), None)
+        return errors, after, await s.session("r")
+    try:
+        errors, after, rebound = run(body, server.url, timeout_s=0.5)
+    finally:
+        server.stop()
+    assert all(e.message.startswith("redis: unavailable") for e in errors)
+    assert after == (None, []) and rebound == (Binding("b:1"), [])
+
+
+def test_sidecar_heartbeats_only_while_the_endpoint_is_serving(redis_server):
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from router.register import _health_probe
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    prefix = f"side-{uuid.uuid4().hex[:8]}:"
+    hb = Heartbeat(redis.Redis.from_url(redis_server.url), Endpoint(address, Role.DRAFTER), interval_s=0.1,
+                   ttl_s=0.4, prefix=prefix, alive=_health_probe(address, 0.5)).start()
+
+    async def addresses(s: RouterState):
+        return [e.address for e in await RouterState(s.r, prefix).endpoints()]
+    try:
+        time.sleep(0.3)
+        assert run(addresses, redis_server.url) == [address]
+        hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        time.sleep(0.8)
+        assert run(addresses, redis_server.url) == []
+        hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        time.sleep(0.4)
+        assert run(addresses, redis_server.url) == [address]
+    finally:
+        hb.stop()
+        server.stop(0)
