@@ -76,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--target", default=None)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: robust on shared machines)")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
@@ -123,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in configs:
             if row.kind == "hf":
                 out = run_hf(row, ids)
-                cut = out.index(tok.eos_token_id) if tok.eos_token_id in out else len(out)
-                row.identical &= out[:cut] == base.token_ids[:cut]  # HF masks EOS (min_new_tokens)
+                # HF masks EOS (min_new_tokens): compare up to where ours emits its first EOS
+                b = base.token_ids
+                cut = b.index(tok.eos_token_id) if tok.eos_token_id in b else len(b)
+                row.identical &= out[:cut] == b[:cut]
                 continue
             drafter = make_drafter(row.drafter, str(row.alpha), model, reference, seed=pi)
             spec = SpecConfig(row.budget or DEPTH, DEPTH)
