@@ -1,0 +1,1 @@
+"""specmesh on a Ray cluster: see launch.py (`python -m deploy.ray.launch --help`)."""
