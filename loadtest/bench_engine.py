@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench_engine.json")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     ap.add_argument("--target", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: robust on shared machines)")
     args = ap.parse_args(argv)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     target_path = args.target or str(bundled_target_path())
     model, tok = load_target(target_path)
     hf = AutoModelForCausalLM.from_pretrained(resolve_folder(target_path), dtype=torch.float32).eval()
-    prompts = PROMPTS[:2] if args.quick else PROMPTS
+    prompts = PROMPTS[:2] if args.quick else PROMPTS[: args.prompts]
     alphas = (0.8,) if args.quick else ALPHAS
     n = args.max_tokens
     stop = StopConditions(n)  # no stop ids: every run yields exactly n tokens
