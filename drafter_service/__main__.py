@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-streams", type=int, default=int(_env("MAX_STREAMS", str(d.max_streams))))
     p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", str(d.grace_s))))
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     return p
 
 
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter=args.drafter, host=args.host, port=args.port, oracle_reference=args.oracle_reference,
         draft_cost_s=args.draft_cost_s, vocab_size=args.vocab_size, seed=args.seed,
         max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s, threads=args.threads,
-        max_streams=args.max_streams, grace_s=args.grace_s,
+        max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
     )
     try:
         cfg.validate()

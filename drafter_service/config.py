@@ -26,6 +26,7 @@ class DrafterServiceConfig:
     max_streams: int = 64  # concurrent Draft streams (one worker thread each)
     grace_s: float = 2.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
 
     @property
     def kind(self) -> str:
@@ -44,6 +45,8 @@ class DrafterServiceConfig:
             raise ValueError(f"draft_cost_s: must be >= 0, got {self.draft_cost_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: must be in [0, 65535], got {self.metrics_port}")
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size: must be >= 2, got {self.vocab_size}")
         if self.max_sessions < 1:

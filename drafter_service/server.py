@@ -86,6 +86,10 @@ def serve(cfg: DrafterServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully. Prints the listening line once serving."""
     drafter, vocab_size = build_drafter(cfg)
     store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s)
+    if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
+        from drafter_service.metrics import DrafterMetrics, MeteredDrafter, start_exporter
+        drafter = MeteredDrafter(drafter, metrics := DrafterMetrics(lambda: len(store)))
+        start_exporter(cfg.host, cfg.metrics_port, metrics.render)
     server, health_servicer, port = start_server(cfg, drafter, vocab_size, store)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

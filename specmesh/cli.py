@@ -1,4 +1,5 @@
-"""`specmesh` command line: `generate` (in-process speculative generation) and `bench engine`.
+"""`specmesh` command line: `generate` (in-process speculative generation), `bench engine`, `up`
+(a local cluster, specmesh.up) and `loadtest` (loadtest.run).
 
 Parses flags into the core's typed settings and calls the core; no logic of its own.
 """
@@ -6,6 +7,7 @@ Parses flags into the core's typed settings and calls the core; no logic of its 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 import json
 import os
 import sys
@@ -36,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"}')
+    g.add_argument("--endpoint", default=None, help="HOST:PORT of a router: generate there through the SDK")
+    g.add_argument("--api-key", default=os.environ.get("SPECMESH_API_KEY"))
+    g.add_argument("--session-id", default="", help="with --endpoint: a session kept across calls")
     _add_generation_flags(g)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -45,10 +50,45 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="fewer prompts and configurations")
     be.add_argument("--target", default=None)
     be.add_argument("--threads", type=int, default=None)
+    from loadtest.run import add_arguments as add_loadtest_arguments
+    from specmesh.up import add_arguments as add_up_arguments
+
+    add_up_arguments(sub.add_parser("up", help="start Redis, router, drafters and a verifier on this machine"))
+    add_loadtest_arguments(sub.add_parser("loadtest", help="load test a router over HTTP or gRPC (loadtest/run.py)"))
     return parser
 
 
+def _cmd_generate_remote(args: argparse.Namespace) -> int:
+    """Same flags through a router: --chat templates locally (tokenizer only) and sends token ids;
+    --drafter none turns speculation off, other drafters are the cluster's."""
+    from specmesh.client import Client
+    from specmesh.loader import bundled_target_path, load_tokenizer
+    from specmesh.runtime import encode_prompt
+
+    prompt = args.prompt
+    if args.chat:
+        prompt = encode_prompt(load_tokenizer(args.target or bundled_target_path()), args.prompt, chat=True)
+    with Client(args.endpoint, api_key=args.api_key) as client:
+        stream = client.generate(
+            prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, stop=args.stop, session_id=args.session_id, speculate=args.drafter != "none",
+            budget=args.tree_budget, depth=args.depth)
+        for chunk in stream:
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+        res = stream.result
+    stats = asdict(res.speculation) | {"finish_reason": res.finish_reason, "usage": asdict(res.usage)}
+    if args.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
+    else:
+        print()
+        print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        return _cmd_generate_remote(args)
     import torch
 
     from specmesh.drafters import parse_drafter_spec
@@ -121,15 +161,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specmesh.client import SpecmeshError
+
     args = build_parser().parse_args(argv)
     t = time.perf_counter()
     try:
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "up":
+            from specmesh.up import config_from_args, run
+
+            return run(config_from_args(args))
+        if args.command == "loadtest":
+            from loadtest.run import config_from_args as loadtest_config, run as run_loadtest
+
+            return run_loadtest(loadtest_config(args))
         return _cmd_bench(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specmesh: error: {e}", file=sys.stderr)
         return 2
+    except SpecmeshError as e:  # from the SDK: the status code and the server's details
+        print(f"specmesh: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if os.environ.get("SPECMESH_DEBUG"):
             print(f"elapsed {time.perf_counter() - t:.2f}s", file=sys.stderr)

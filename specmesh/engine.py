@@ -240,6 +240,8 @@ def run_turn(
         before = len(out)
         out.extend(new)
         cut = _first_stop(out, before, stop, decode)
+        if cut is not None and cut > stop.max_new_tokens:
+            cut = None  # a stop past max_tokens (say, an EOS bonus token) was never generated
         if cut is not None:
             del out[cut:]
             res.finish_reason = "stop"

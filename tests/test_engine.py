@@ -160,6 +160,12 @@ def test_stop_conditions(bundle):
     assert res.token_ids[:NEW_TOKENS] == expected
     res = generate(model, ids, SamplingParams(), StopConditions(3, eos), NgramDrafter(), SpecConfig(8, 4))
     assert res.finish_reason == "length" and res.token_ids == expected[:3]
+    # EOS right after max_tokens (here as the bonus of a fully accepted chain) is never reached
+    n = len(expected) - 1
+    assert expected[-1] == tok.eos_token_id
+    oracle = OracleDrafter(ids + expected, 1.0, model.config.vocab_size)
+    res = generate(model, ids, SamplingParams(), StopConditions(n, eos), oracle, SpecConfig(n, n))
+    assert res.finish_reason == "length" and res.token_ids == expected[:n]
     # stop string: generation ends at the token that completes it
     text = tok.decode(expected)
     word = text.split()[2]

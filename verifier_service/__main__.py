@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads)
     else:
         model = load_model(path)
-    verifier = Verifier(cfg, model, tokenizer)
+    from verifier_service.metrics import MeteredVerifier, start_exporter
+    verifier = (MeteredVerifier if cfg.metrics_port else Verifier)(cfg, model, tokenizer)
+    if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
+        start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads})", flush=True)
     beat = None

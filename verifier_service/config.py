@@ -26,6 +26,7 @@ class VerifierConfig:
     max_message_bytes: int = 64 << 20  # gRPC message size limit (long prompts)
     grace_s: float = 5.0               # graceful shutdown: in-flight streams get this long
     redis_url: str = ""                # register with the router registry there ("" = don't)
+    metrics_port: int = 0              # Prometheus /metrics on this port (0 = off)
 
 
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--grace-s", type=float, default=d.grace_s)
     p.add_argument("--redis-url", default=env("SPECMESH_REDIS_URL", d.redis_url),
                    help="register and heartbeat in the router registry (router.register)")
+    p.add_argument("--metrics-port", type=int, default=int(env("SPECMESH_METRICS_PORT", d.metrics_port)),
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     a = p.parse_args(argv)
     if a.tp < 1 or a.threads < 1:
         p.error("--tp and --threads must be >= 1")

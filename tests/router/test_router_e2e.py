@@ -352,3 +352,23 @@ def test_redis_down_gives_clear_errors_and_recovery(tok, redis_server, cluster, 
     wait_registered(r, [v.address for v in verifiers])
     out = clients[0].complete("Hello", max_tokens=2, session_id="redis-down")
     assert len(out.token_ids) == 2 and binding(r, "redis-down").epoch == 1
+
+
+def test_cli_generate_through_the_router(tok, cluster):
+    """`specmesh generate --endpoint` (the SDK) gives the verifier's own greedy output."""
+    import json
+    import subprocess
+    import sys
+
+    verifiers, routers = cluster
+    prompt = "Name a color."
+    expected_ids, expected_text = direct(verifiers[0].address, chat_ids(tok, prompt), 12)
+    out = subprocess.run([sys.executable, "-m", "specmesh.cli", "generate", "--endpoint", routers[0].address,
+                          "--api-key", KEY, "--prompt", prompt, "--chat", "--max-tokens", "12", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    obj = json.loads(out.stdout)
+    assert obj["token_ids"] == expected_ids and obj["text"] == expected_text
+    assert obj["stats"]["usage"]["completion_tokens"] == len(expected_ids)
+    bad = subprocess.run([sys.executable, "-m", "specmesh.cli", "generate", "--endpoint", routers[0].address,
+                          "--prompt", prompt, "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr

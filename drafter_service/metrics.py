@@ -1,0 +1,87 @@
+"""Prometheus metrics of a drafter service (`--metrics-port P`, 0 = off): trees drafted (tree size,
+draft time per tree, predrafts included), draft sessions opened and closed, sessions held.
+
+`MeteredDrafter` wraps any Drafter: its sessions time `draft` and count what they return, and
+delegate everything else, so neither the servicer nor the drafters know they are measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from specmesh.drafters.base import Drafter, DraftSession
+from specmesh.metrics import Counter, Gauge, Histogram, Registry, start_exporter
+from specmesh.sampling import SamplingParams
+from specmesh.tree import DraftTree
+
+__all__ = ["DrafterMetrics", "MeteredDrafter", "start_exporter"]
+
+PREFIX = "specmesh_drafter_"
+DRAFT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+TREE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+class DrafterMetrics:
+    def __init__(self, sessions: Callable[[], int]) -> None:
+        r = self.registry = Registry()
+        self.trees = r.add(Counter(PREFIX + "trees_total", "Trees drafted (predrafts included)."))
+        self.nodes = r.add(Counter(PREFIX + "tree_nodes_total", "Nodes of the trees drafted."))
+        self.errors = r.add(Counter(PREFIX + "draft_errors_total", "draft calls that raised."))
+        self.opened = r.add(Counter(PREFIX + "sessions_opened_total", "Draft sessions opened."))
+        self.closed = r.add(Counter(PREFIX + "sessions_closed_total", "Draft sessions closed."))
+        self.tree_size = r.add(Histogram(PREFIX + "tree_size", "Nodes per drafted tree.", TREE_BUCKETS))
+        self.draft_time = r.add(Histogram(PREFIX + "draft_seconds", "Time to draft one tree.", DRAFT_BUCKETS_S))
+        r.add(Gauge(PREFIX + "sessions", "Sessions held by the service.", sessions))
+
+    def render(self) -> str:
+        return self.registry.render()
+
+
+class _MeteredSession:
+    def __init__(self, inner: DraftSession, metrics: DrafterMetrics) -> None:
+        self.inner, self.metrics = inner, metrics
+        self._closed = False
+
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        t = time.perf_counter()
+        try:
+            tree = self.inner.draft(budget, depth, params, generator)
+        except Exception:
+            self.metrics.errors.inc()
+            raise
+        self.metrics.draft_time.observe(time.perf_counter() - t)
+        self.metrics.trees.inc()
+        self.metrics.nodes.inc(len(tree))
+        self.metrics.tree_size.observe(len(tree))
+        return tree
+
+    def commit(self, tokens: list[int]) -> None:
+        self.inner.commit(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.metrics.closed.inc()
+        self.inner.close()
+
+    def __getattr__(self, name: str):  # anything else a drafter's session offers
+        return getattr(self.inner, name)
+
+
+class MeteredDrafter:
+    def __init__(self, inner: Drafter, metrics: DrafterMetrics) -> None:
+        self.inner, self.metrics = inner, metrics
+
+    def open(self, context: list[int]) -> _MeteredSession:
+        session = _MeteredSession(self.inner.open(context), self.metrics)
+        self.metrics.opened.inc()
+        return session
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)

