@@ -13,7 +13,7 @@ install-test: install
 	$(PIP) -e '.[test]'
 
 demo: install
-	specmesh generate --chat --prompt "$(PROMPT)" --max-tokens 96
+	specmesh up --demo --prompt "$(PROMPT)" --max-tokens 96
 
 test: install-test
 	$(PY) -m pytest -q -ra --durations=15
