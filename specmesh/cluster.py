@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specmesh.launch import terminate
 from specmesh.redis_server import RedisServer, free_port, redis_server_binary
 
 LISTEN = re.compile(r"listening on ([\w.\-]+):(\d+)")
@@ -102,13 +103,7 @@ class Child:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait, SIGKILL if need be; then kill what is left of its process group."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=10)
+        terminate(self.popen, timeout)
         try:
             os.killpg(self.pid, signal.SIGKILL)  # grandchildren (TP ranks) that outlived it
         except (ProcessLookupError, PermissionError):

@@ -26,14 +26,19 @@ class Proc:
         self.popen.wait(timeout=30)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=10)
-        return self.popen.returncode
+        return terminate(self.popen, timeout)
+
+
+def terminate(popen: subprocess.Popen, timeout: float) -> int | None:
+    """SIGTERM, wait up to `timeout`, SIGKILL if need be; the exit code."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=10)
+    return popen.returncode
 
 
 def start(module: str, *args: str, timeout: float = 180.0) -> Proc:
