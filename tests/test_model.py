@@ -23,6 +23,7 @@ from specmesh.loader import bundled_target_path, load_model, load_tokenizer, mod
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import DraftTree, depths, path_to
+from tests.tiny_models import random_hf_model
 
 TOL = 1e-4
 VOCAB = 96
@@ -65,17 +66,7 @@ def _hf_model(family: str, seed: int = 0):
     """A seeded random transformers model whose every parameter (norms and biases included) is
     far from its default init, so logits are O(1) and a wrong weight or missing bias shows."""
     cfg = FAMILIES[family]()
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif p.dim() == 1:  # biases
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return hf
+    return random_hf_model(cfg, seed)
 
 
 def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 
 from specmesh.drafters import NgramDrafter
 from specmesh.engine import StopConditions, generate, generate_stream
@@ -33,6 +33,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.tp import apply_tp, shard_sizes
 from specmesh.tree import depths, tree_attention_mask
 from verifier_service.tp_group import TPCache, TPGroupError, TPModel, start_tp
+from tests.tiny_models import random_hf_model
 
 TOL = 1e-4
 VOCAB = 256
@@ -55,17 +56,7 @@ def _hf_model(family: str, heads: int = 4, kv_heads: int = 2, intermediate: int 
     cfg = kind(vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=intermediate, num_hidden_layers=2,
                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif p.dim() == 1:  # biases
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return hf
+    return random_hf_model(cfg, seed)
 
 
 def _prefill_and_tree(model: Transformer | TPModel, capacity: int = 64) -> torch.Tensor:
