@@ -151,6 +151,7 @@ class Cluster:
         self.redis_url = spec.redis_url
         self.grpc_address = ""
         self.http_address = ""               # "" when the router has no HTTP API
+        self._ports: set[int] = set()        # metrics ports handed out (children bind them later)
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -191,7 +192,10 @@ class Cluster:
         self.children = [router, *drafters, *sidecars, verifier]
 
     def _spawn(self, name: str, module: str, *args: str, ready: re.Pattern = LISTEN, metrics: bool = False) -> Child:
-        port = free_port() if metrics else 0
+        port = 0
+        while metrics and (port == 0 or port in self._ports):
+            port = free_port()  # the kernel may offer a port again until the child that got it binds it
+        self._ports.add(port)
         child = spawn(name, [self.python, "-m", module, *args, *(["--metrics-port", str(port)] if port else [])], ready)
         child.metrics_url = f"http://127.0.0.1:{port}/metrics" if port else ""
         self.children.append(child)
