@@ -11,7 +11,7 @@ one `Done`, or a RouterError. What a turn sends to the verifier:
   tokens already streamed), no new tokens, `max_tokens` reduced by what was streamed, to another
   verifier. Greedy output is then token for token the uninterrupted one; a seeded sample is a
   valid sample but not the uninterrupted one (the generator restarts).
-The client sees one stream: text is decoded here from the turn's tokens (router.text), not taken
+The client sees one stream: text is decoded here from the turn's tokens (specmesh.text), not taken
 from the verifiers, and stops are checked here too, so a stop straddling the move is honoured.
 
 Input modes: `full_context=False` (gRPC): `ids` are appended to the session. `full_context=True`
@@ -37,7 +37,7 @@ from router.errors import Kind, RouterError, client_fault, invalid
 from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
 from router.state import RouterState, StateUnavailable
-from router.text import Stops, TextStream, first_stop
+from specmesh.text import Stops, TextStream, first_stop
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class Router:
                 if t.finish is not None and ids:  # the verifier went past a stop it could not see
                     return
                 start = len(t.produced)
-                cut = first_stop(t.produced + ids, start, req.stops, self.decode)
+                cut = first_stop(t.produced + ids, start, req.stops.ids, req.stops.strings, self.decode)
                 if cut is not None:
                     ids, t.finish = ids[: cut - start], "stop"
                 elif start + len(ids) >= req.max_tokens:

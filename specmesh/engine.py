@@ -23,11 +23,11 @@ import torch
 from specmesh.drafters.base import Drafter, DraftSession
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, VerifyResult, make_generator, verify_tree
+from specmesh.text import first_stop
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
 
 MAX_TREE_NODES = 64
 MAX_DEPTH = 16
-STOP_WINDOW = 64  # tokens decoded when looking for a stop string that ends at the newest token
 
 
 @dataclass(frozen=True)
@@ -159,18 +159,6 @@ class StopConditions:
             raise ValueError("stop: stop strings must be non-empty")
 
 
-def _first_stop(tokens: list[int], start: int, stop: StopConditions,
-                decode: Callable[[list[int]], str] | None) -> int | None:
-    """Length to cut `tokens` (the new tokens) to if a stop condition fires at or after `start`."""
-    for i in range(start, len(tokens)):
-        if tokens[i] in stop.stop_ids:
-            return i + 1
-    if stop.stop_strings and decode is not None:
-        for i in range(start, len(tokens)):
-            text = decode(tokens[max(0, i + 1 - STOP_WINDOW): i + 1])
-            if any(s in text for s in stop.stop_strings):
-                return i + 1
-    return None
 
 
 class TreeSource(Protocol):
@@ -239,7 +227,7 @@ def run_turn(
         # 3. stop conditions
         before = len(out)
         out.extend(new)
-        cut = _first_stop(out, before, stop, decode)
+        cut = first_stop(out, before, stop.stop_ids, stop.stop_strings, decode)
         if cut is not None and cut > stop.max_new_tokens:
             cut = None  # a stop past max_tokens (say, an EOS bonus token) was never generated
         if cut is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, run_turn
 from specmesh.sampling import SamplingParams, make_generator
+from specmesh.text import visible
 from verifier_service.config import VerifierConfig
 from verifier_service.drafter_link import LinkPool, RemoteDrafts
 from verifier_service.sessions import SessionStore
@@ -137,17 +138,7 @@ class Verifier:
                 source.close()
 
     def _visible(self, ids: list[int], stop_strings: tuple[str, ...], final: bool = False) -> str:
-        """Text safe to show: cut at a stop string; while streaming, hold back an incomplete UTF-8
-        character and any tail that could still become a stop string."""
-        text = self.decode(ids)
-        cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
-        if cut >= 0:
-            return text[:cut]
-        if final:
-            return text
-        text = text.rstrip("\ufffd")
-        hold = max((k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return text[: len(text) - hold]
+        return visible(self.decode(ids), stop_strings, final)
 
     def shutdown(self) -> None:
         self.links.shutdown()

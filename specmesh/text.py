@@ -1,12 +1,12 @@
-"""Text of a turn as the router streams it, from token ids alone (pure; `decode` is passed in).
+"""Stop rules and visible text of a turn, from token ids alone (pure; `decode` is passed in).
 
-The router decodes the turn's tokens itself rather than forwarding the verifier's text deltas, so
-that a turn that moved to another verifier mid-stream still reads as one text, and a stop that
-straddles the move is still seen. The rules are the verifier's (verifier_service.turns and
-specmesh.engine): a stop fires at the first stop id, or at the first token whose trailing window
-of `STOP_WINDOW` tokens decodes to text containing a stop string; the shown text is cut before a
-stop string, and while streaming an incomplete UTF-8 character and any tail that could still
-grow into a stop string are held back.
+One set of rules for the engine, the verifier, the router and the CLI: a stop fires at the first
+stop id, or at the first token whose trailing window of `STOP_WINDOW` tokens decodes to text
+containing a stop string; the shown text is cut before a stop string (as OpenAI-style APIs return
+it), and while streaming an incomplete UTF-8 character and any tail that could still grow into a
+stop string are held back. The router decodes a turn's tokens itself (TextStream) rather than
+forwarding the verifier's text deltas, so that a turn that moved to another verifier mid-stream
+still reads as one text, and a stop that straddles the move is still seen.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-STOP_WINDOW = 64  # as specmesh.engine.STOP_WINDOW
+STOP_WINDOW = 64  # tokens decoded when looking for a stop string that ends at the newest token
 
 Decode = Callable[[list[int]], str]
 
@@ -25,20 +25,22 @@ class Stops:
     strings: tuple[str, ...] = ()
 
 
-def first_stop(tokens: Sequence[int], start: int, stops: Stops, decode: Decode) -> int | None:
+def first_stop(tokens: Sequence[int], start: int, ids: frozenset[int], strings: tuple[str, ...],
+               decode: Decode | None) -> int | None:
     """Length to cut `tokens` (the turn's new tokens) to if a stop fires at index >= `start`."""
     for i in range(start, len(tokens)):
-        if tokens[i] in stops.ids:
+        if tokens[i] in ids:
             return i + 1
-    if stops.strings:
+    if strings and decode is not None:
         for i in range(start, len(tokens)):
             text = decode(list(tokens[max(0, i + 1 - STOP_WINDOW): i + 1]))
-            if any(s in text for s in stops.strings):
+            if any(s in text for s in strings):
                 return i + 1
     return None
 
 
 def visible(text: str, strings: tuple[str, ...], final: bool) -> str:
+    """The part of `text` safe to show (see the module docstring); `final`: nothing more will come."""
     cut = min((text.find(s) for s in strings if s in text), default=-1)
     if cut >= 0:
         return text[:cut]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.text import Stops, TextStream, first_stop, visible
+from specmesh.text import Stops, TextStream, first_stop, visible
 
 
 def letters(ids: list[int]) -> str:
@@ -19,7 +19,7 @@ def letters(ids: list[int]) -> str:
     ([0, 1, 2, 3], 0, Stops(strings=("zz",)), None),
 ])
 def test_first_stop(tokens, start, stops, expected):
-    assert first_stop(tokens, start, stops, letters) == expected
+    assert first_stop(tokens, start, stops.ids, stops.strings, letters) == expected
 
 
 @pytest.mark.parametrize("text, strings, final, expected", [
