@@ -56,6 +56,17 @@ class Row:
     identical: bool = True
 
 
+def add_stats(row: Row, s) -> None:
+    """Accumulate one specmesh generation's `GenerationStats` into a configuration's row."""
+    row.tokens += s.new_tokens
+    row.seconds += s.total_s
+    row.steps += s.steps
+    row.drafted += s.drafted_tokens
+    row.accepted += s.accepted_tokens
+    row.draft_s += s.draft_s
+    row.verify_s += s.verify_s
+
+
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     if alpha >= 1.0:
         return gamma + 1.0
@@ -131,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter = make_drafter(row.drafter, str(row.alpha), model, reference, seed=pi)
             spec = SpecConfig(row.budget or DEPTH, DEPTH)
             res = generate(model, ids, greedy, stop, drafter, spec)
-            s = res.stats
-            row.tokens += s.new_tokens
-            row.seconds += s.total_s
-            row.steps += s.steps
-            row.drafted += s.drafted_tokens
-            row.accepted += s.accepted_tokens
-            row.draft_s += s.draft_s
-            row.verify_s += s.verify_s
+            add_stats(row, res.stats)
             row.identical &= res.token_ids == base.token_ids
         print(f"prompt {pi + 1}/{len(prompts)} done", file=sys.stderr)
 
