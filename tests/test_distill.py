@@ -1,0 +1,174 @@
+"""Drafter distillation (specmesh/distill) and reduced-vocabulary drafters: the pieces on a tiny
+random model (training lowers the loss, checkpoints resume, export loads into our runtime with the
+same logits, the drafter stays lossless), the data recorder on the bundled target, and the drafter
+shipped for the bundled target (held-out acceptance, default of `specmesh generate`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from specmesh.distill import train
+from specmesh.distill.prompts import is_heldout, prompts
+from specmesh.drafters import bundled_drafter_path, resolve_auto
+from specmesh.drafters.model import ModelDrafter
+from specmesh.engine import SpecConfig, StopConditions, generate
+from specmesh.loader import VOCAB_MAP_KEY, load_model, model_from_hf, target_embeddings
+from specmesh.sampling import SamplingParams
+from tests.tiny_models import random_hf_model
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1)
+    hf = random_hf_model(cfg, seed=3)
+    target = model_from_hf(cfg, hf.state_dict())
+    # Teacher data: the target's own greedy continuations of random prompts, top-k from its logits.
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(24):
+        prompt = torch.randint(2, VOCAB, (6,), generator=g).tolist()
+        out = generate(target, prompt, SamplingParams(), StopConditions(24)).token_ids
+        tokens = torch.tensor(prompt + out)
+        with torch.no_grad():
+            p = torch.softmax(hf(tokens[None]).logits[0, len(prompt) - 1:-1], -1)
+        v, i = p.topk(8, -1)
+        examples.append({"tokens": tokens.to(torch.int32), "start": len(prompt), "topk_ids": i.to(torch.int32),
+                         "topk_p": v.half(), "kind": "chat"})
+    return cfg, hf, target, examples
+
+
+def test_prompt_splits_are_disjoint_by_topic():
+    tr, ho = prompts("train"), prompts("heldout")
+    assert len(tr) > 1000 and 50 < len(ho) < len(tr) / 4
+    assert not set(tr) & set(ho)
+    assert prompts("heldout") == ho  # deterministic
+    with pytest.raises(ValueError, match="split"):
+        prompts("test")
+    assert all(is_heldout(t) == is_heldout(t) for t in ("recursion", "bees"))  # a pure function of the topic
+
+
+def test_distillation_learns_and_export_loads_into_the_runtime(tiny, tmp_path):
+    cfg, hf, target, examples = tiny
+    vocab_map = train.choose_vocab(examples, 48, VOCAB, always=[1])
+    assert len(vocab_map) == 48 and 1 in vocab_map.tolist()
+    student = train.build_student(hf, 1, vocab_map)
+    local_of = torch.full((VOCAB,), -1, dtype=torch.long)
+    local_of[vocab_map] = torch.arange(48)
+    before = train.evaluate(student, examples[:6], vocab_map, local_of)
+    tc = train.TrainConfig(layers=1, draft_vocab=48, lr=3e-3, batch_tokens=256, minutes=5, max_epochs=6,
+                           warmup_steps=3, checkpoint_every=5)
+    result = train.train(student, examples, examples[:6], vocab_map, VOCAB, tc, tmp_path / "ckpt.pt",
+                         log=lambda *a: None)
+    assert result["final_loss"] < 0.9 * result["first_loss"], result  # soft targets: entropy stays
+    assert result["greedy_acceptance"] > before["greedy_acceptance"] + 0.2, (before, result)
+
+    # A finished run resumes from its checkpoint without training again.
+    steps = result["steps"]
+    again = train.train(student, examples, examples[:6], vocab_map, VOCAB, tc, tmp_path / "ckpt.pt",
+                        log=lambda *a: None)
+    assert again["steps"] == steps
+
+    out = tmp_path / "drafter"
+    train.export(student, vocab_map, hf, out, None, {"test": True}, dtype=torch.float32)
+    drafter = load_model(out)
+    assert drafter.config.draft_vocab_size == 48 and drafter.lm_head.weight.shape == (48, 32)
+    ids = examples[0]["tokens"][:20].long()
+    with torch.no_grad():
+        ref = student(ids[None], torch.ones(1, 20, dtype=torch.long))[0]
+    logits = drafter(ids, torch.arange(20), drafter.new_cache(32), 0)
+    torch.testing.assert_close(logits[:, vocab_map], ref, atol=1e-4, rtol=1e-4)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[vocab_map] = False
+    assert torch.isneginf(logits[:, outside]).all()
+
+    # Lossless with a reduced-vocabulary drafter: greedy and seeded sampling equal target-only runs.
+    d = ModelDrafter(drafter)
+    for prompt in ([5, 9, 17, 33], [70, 2, 2, 41, 8]):
+        stop = StopConditions(20)
+        plain = generate(target, prompt, SamplingParams(), stop).token_ids
+        res = generate(target, prompt, SamplingParams(), stop, d, SpecConfig(6, 3))
+        assert res.token_ids == plain and res.stats.steps < len(plain)
+
+
+def test_reduced_vocab_weights_must_carry_their_map(tiny, tmp_path):
+    cfg, hf, target, examples = tiny
+    vocab_map = train.choose_vocab(examples, 40, VOCAB, always=[1])
+    out = tmp_path / "d"
+    train.export(train.build_student(hf, 1, vocab_map), vocab_map, hf, out, None, {})
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(out / "model.safetensors")
+    del state[VOCAB_MAP_KEY]
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(ValueError, match="vocab_map"):
+        load_model(out)
+
+
+def test_shared_embeddings_need_the_target():
+    with pytest.raises(FileNotFoundError, match="sha256 0123456789abcdef"):
+        target_embeddings("0123456789abcdef" * 4)
+
+
+# --- the drafter shipped for the bundled target ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled():
+    from specmesh.runtime import load_target
+
+    torch.set_num_threads(2)
+    model, tok = load_target(None)
+    return model, tok, load_model(bundled_drafter_path())
+
+
+def test_shipped_drafter_is_the_default_for_the_bundled_target():
+    assert (bundled_drafter_path() / "model.safetensors").is_file()
+    recipe = json.loads((bundled_drafter_path() / "recipe.json").read_text())
+    assert recipe["command"].startswith("specmesh train-drafter")
+    assert resolve_auto("auto", None) == f"model:{bundled_drafter_path()}"
+    assert resolve_auto("auto", "/some/other/target.gguf") == "ngram"
+    assert resolve_auto("none", None) == "none"
+
+
+@pytest.mark.slow
+def test_shipped_drafter_heldout_acceptance(bundled):
+    """Greedy per-token acceptance, teacher-forced on the target's own greedy answers to held-out
+    prompts (topics never trained on). Deterministic; the benchmark (bench_drafters) measures more."""
+    from specmesh.runtime import encode_prompt
+
+    model, tok, drafter = bundled
+    hit = total = 0
+    for text in prompts("heldout")[:4]:
+        ids = encode_prompt(tok, text, chat=True)
+        out = generate(model, ids, SamplingParams(), StopConditions(48, frozenset({tok.eos_token_id}))).token_ids
+        seq = torch.tensor(ids + out)
+        logits = drafter(seq, torch.arange(len(seq)), drafter.new_cache(len(seq)), 0)
+        pred = logits[len(ids) - 1:-1].argmax(-1)
+        hit += int((pred == torch.tensor(out)).sum())
+        total += len(out)
+    assert hit / total >= 0.5, f"held-out greedy acceptance {hit / total:.2f}"
+
+
+@pytest.mark.slow
+def test_generate_cli_defaults_to_the_shipped_drafter_and_is_lossless():
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "specmesh.cli", "generate", "--prompt", "Explain rainbows.",
+                            "--chat", "--max-tokens", "24", "--json", "--threads", "1", *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    auto, plain = run(), run("--drafter", "none")
+    assert auto["stats"]["drafter"] == f"model:{bundled_drafter_path()}"
+    assert auto["token_ids"] == plain["token_ids"]
+    assert auto["stats"]["accepted_tokens"] > 0
