@@ -15,7 +15,7 @@ import shlex
 import sys
 import time
 
-DEFAULT_DRAFTER = "ngram"
+DEFAULT_DRAFTER = "auto"  # the trained drafter for the bundled target, else ngram (drafters.resolve_auto)
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram | model:PATH | oracle:ALPHA")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="auto | none | ngram | model:PATH | oracle:ALPHA "
+                   "(auto: the bundled trained drafter with the bundled target, else ngram)")
     p.add_argument("--tree-budget", type=int, default=8, help="draft nodes per step (chain: = depth)")
     p.add_argument("--depth", type=int, default=4, help="maximum draft tree depth")
     p.add_argument("--target", default=None, help="HF folder, .safetensors or .gguf (default: bundled SmolLM2)")
@@ -66,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cache", type=Path, default=None, help="cache root (default: $SPECMESH_CACHE or "
                        "~/.cache/specmesh); files go to CACHE/models/SET/")
     from loadtest.run import add_arguments as add_loadtest_arguments
+    from specmesh.distill.run import add_arguments as add_train_arguments
     from specmesh.up import add_arguments as add_up_arguments
+
+    add_train_arguments(sub.add_parser("train-drafter", help="distil a drafter for a target from its own outputs "
+                                       "(specmesh/distill)"))
 
     add_up_arguments(sub.add_parser("up", help="start Redis, router, drafters and a verifier on this machine"))
     add_loadtest_arguments(sub.add_parser("loadtest", help="load test a router over HTTP or gRPC (loadtest/run.py)"))
@@ -106,15 +111,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return _cmd_generate_remote(args)
     import torch
 
-    from specmesh.drafters import parse_drafter_spec
+    from specmesh.drafters import parse_drafter_spec, resolve_auto
     from specmesh.engine import SpecConfig, StopConditions, generate_stream, GenerationResult
     from specmesh.runtime import encode_prompt, load_target, make_drafter, reference_continuation
     from specmesh.sampling import SamplingParams
+    from specmesh.text import visible
 
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     params.validate()
+    args.drafter = resolve_auto(args.drafter, args.target)
     kind, arg = parse_drafter_spec(args.drafter)
     spec = SpecConfig(args.tree_budget, args.depth)
     spec.validate()
@@ -132,10 +139,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     shown = ""
     for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res):
         if not args.json:
-            text = _visible(decode(res.token_ids), stop.stop_strings)
+            text = visible(decode(res.token_ids), stop.stop_strings, final=False)
             print(text[len(shown):], end="", flush=True)
             shown = text
-    text = _visible(decode(res.token_ids), stop.stop_strings)
+    text = visible(decode(res.token_ids), stop.stop_strings, final=True)
     stats = res.stats.to_dict() | {"finish_reason": res.finish_reason, "drafter": args.drafter,
                                    "threads": torch.get_num_threads()}
     if args.json:
@@ -144,12 +151,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(text[len(shown):])
         print(_summary(stats), file=sys.stderr)
     return 0
-
-
-def _visible(text: str, stop_strings: tuple[str, ...]) -> str:
-    """Text up to (not including) the first stop string, as OpenAI-style APIs return it."""
-    cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
-    return text if cut < 0 else text[:cut]
 
 
 def _eos_ids(tok) -> list[int]:
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_loadtest(loadtest_config(args))
         if args.command == "models":
             return _cmd_models(args)
+        if args.command == "train-drafter":
+            from specmesh.distill.run import main as train_drafter
+
+            return train_drafter(args)
         return _cmd_bench(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specmesh: error: {e}", file=sys.stderr)
