@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="fewer prompts and configurations")
     be.add_argument("--target", default=None)
     be.add_argument("--threads", type=int, default=None)
+    bsub.add_parser("drafters", help="drafter acceptance, cost and speedup (loadtest/bench_drafters.py; "
+                         "flags passed through)", add_help=False)
     m = sub.add_parser("models", help="named drafter/target model sets: list, install (opt-in download), verify")
     msub = m.add_subparsers(dest="models", required=True)
     ml = msub.add_parser("list", help="every set, its models, sizes and whether they are installed")
@@ -192,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     from specmesh.client import SpecmeshError
     from specmesh.modelsets import InstallError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "drafters"]:  # its own flags, passed through
+        from loadtest.bench_drafters import main as drafters_main
+
+        return drafters_main(argv[2:])
     args = build_parser().parse_args(argv)
     t = time.perf_counter()
     try:
