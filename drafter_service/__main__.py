@@ -9,6 +9,7 @@ import os
 import sys
 
 from drafter_service.config import DEFAULT_VOCAB_SIZE, DrafterServiceConfig
+from specmesh.tls import ServerTls, add_server_args
 
 
 def _env(name: str, default: str) -> str:
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
+    add_server_args(p)
     return p
 
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_cost_s=args.draft_cost_s, vocab_size=args.vocab_size, seed=args.seed,
         max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s, threads=args.threads,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
+        tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca),
     )
     try:
         cfg.validate()

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specmesh.drafters import parse_drafter_spec
+from specmesh.tls import ServerTls
 
 DEFAULT_VOCAB_SIZE = 49152  # the bundled SmolLM2's vocabulary (oracle only)
 MAX_MESSAGE_BYTES = 64 << 20
@@ -27,6 +28,7 @@ class DrafterServiceConfig:
     grace_s: float = 2.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
+    tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (verifiers dial it); off = plaintext
 
     @property
     def kind(self) -> str:
@@ -59,3 +61,4 @@ class DrafterServiceConfig:
             raise ValueError(f"max_streams: must be >= 1, got {self.max_streams}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
+        self.tls.validate()

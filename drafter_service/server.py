@@ -1,6 +1,7 @@
 """The drafter service's gRPC server: builds the drafter from the settings, serves Drafter plus
-grpc.health.v1 (SERVING) and reflection, sweeps idle sessions, and stops gracefully (`stop(grace)`)
-on SIGTERM/SIGINT. No drafting logic here: that is the servicer's core (`DraftAhead`)."""
+grpc.health.v1 (SERVING) and reflection on one port (plaintext, or TLS / mTLS with cfg.tls),
+sweeps idle sessions, and stops gracefully (`stop(grace)`) on SIGTERM/SIGINT. No drafting logic
+here: that is the servicer's core (`DraftAhead`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from drafter_service.servicer import DrafterServicer
 from drafter_service.sessions import SessionStore
 from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
+from specmesh.tls import add_port
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     if port == 0:
         raise OSError(f"port: cannot listen on {cfg.host}:{cfg.port}")
     server.start()

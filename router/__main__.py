@@ -1,4 +1,5 @@
-"""`python -m router --port P --http-port H --redis-url URL [--api-key K ...] [--policy NAME]`
+"""`python -m router --port P --http-port H --redis-url URL [--api-key K ...] [--policy NAME]
+[--max-sessions-per-key N] [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F ...]`
 
 Loads only the tokenizer (of the bundled model, or --tokenizer PATH), connects to Redis, serves
 gRPC and HTTP until SIGTERM/SIGINT. Prints `router listening on HOST:PORT http HOST:H`.
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     def announce(servers) -> None:
         http = f" http {cfg.host}:{servers.http_port}" if servers.http_port is not None else ""
         print(f"router listening on {cfg.host}:{servers.port}{http} "
-              f"(policy={cfg.policy}, redis={_redacted(cfg.redis_url)})", flush=True)
+              f"(policy={cfg.policy}, redis={_redacted(cfg.redis_url)}, tls={cfg.tls.mode}, "
+              f"verifier_tls={'on' if cfg.peer_tls.enabled else 'off'})", flush=True)
 
     async def run() -> None:
         state = RouterState.from_url(cfg.redis_url, cfg.redis_prefix, cfg.session_ttl_s)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.policies import Overload, PolicyName
 from router.state import DEFAULT_PREFIX
+from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class RouterConfig:
     overload_tokens: int = 32768         # sticky-least-tokens: absolute overload threshold
     overload_ratio: float = 2.0          # sticky-least-tokens: relative overload threshold
     api_keys: tuple[str, ...] = ()       # empty = no authentication
+    max_sessions_per_key: int = 0        # live sessions (with a session id) per API key; 0 = unlimited
     max_prompt_tokens: int = 8192        # context of a turn (history + new tokens)
     max_tokens: int = 2048               # upper bound of a request's max_tokens
     max_request_bytes: int = 4 << 20     # serialized request (gRPC) / body (HTTP)
@@ -31,6 +33,8 @@ class RouterConfig:
     max_attempts: int = 3                # verifiers tried per turn (before and after the first token)
     default_max_tokens_http: int = 16    # OpenAI's default when a request names none
     grace_s: float = 5.0                 # graceful shutdown: in-flight streams get this long
+    tls: ServerTls = field(default_factory=ServerTls)      # both public ports (gRPC, HTTP); off = plaintext
+    peer_tls: PeerTls = field(default_factory=PeerTls)     # channels to verifiers; off = plaintext
 
     @property
     def overload(self) -> Overload:
@@ -43,6 +47,12 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s: must be > 0, got {self.session_ttl_s}")
+        if self.max_sessions_per_key < 0:
+            raise ValueError(f"max_sessions_per_key: must be >= 0, got {self.max_sessions_per_key}")
+        if self.max_sessions_per_key and not self.api_keys:
+            raise ValueError("max_sessions_per_key: sessions are counted per API key; configure --api-key")
+        self.tls.validate()
+        self.peer_tls.validate()
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -68,10 +78,16 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--max-sessions-per-key", type=int,
+                   default=int(env("SPECMESH_MAX_SESSIONS_PER_KEY", d.max_sessions_per_key)),
+                   help="live sessions per API key (requests with a session id; one-shots are not counted); "
+                        "a new one beyond -> RESOURCE_EXHAUSTED / 429; 0 = unlimited")
     p.add_argument("--grace-s", type=float, default=d.grace_s)
+    add_server_args(p, env)
+    add_peer_args(p, env, "verifiers")
     a = vars(p.parse_args(argv))
     keys = a.pop("api_keys") or [k for k in env("SPECMESH_API_KEYS", "").split(",") if k]
-    cfg = RouterConfig(api_keys=tuple(keys), **a)
+    cfg = RouterConfig(api_keys=tuple(keys), tls=server_from_args(a), peer_tls=peer_from_args(a), **a)
     try:
         cfg.validate()
     except ValueError as e:

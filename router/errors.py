@@ -37,12 +37,22 @@ _FROM_UPSTREAM: dict[grpc.StatusCode, Kind] = {
 }
 
 
+# Sent with an error that a prompt retry cannot cure (gRPC trailing metadata, HTTP header): the
+# official openai client and specmesh.client then do not retry a status they otherwise would.
+NO_RETRY = ("x-should-retry", "false")
+
+
 class RouterError(Exception):
-    def __init__(self, kind: Kind, message: str, code: str | None = None) -> None:
+    def __init__(self, kind: Kind, message: str, code: str | None = None, final: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.code = code  # OpenAI `error.code` (e.g. the limit's name); None = unset
+        self.final = final  # retrying soon will not help (e.g. a quota): NO_RETRY goes with it
+
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return (NO_RETRY,) if self.final else ()
 
     @property
     def grpc_status(self) -> grpc.StatusCode:

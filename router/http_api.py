@@ -70,8 +70,9 @@ class OpenAIApi:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def _body(self, request: web.Request) -> dict:
-        self.router.authenticate(request.headers.get("Authorization"))
+    async def _body(self, request: web.Request) -> tuple[dict, str]:
+        """The request's JSON body, checked, and the caller's API key id."""
+        key = self.router.authenticate(request.headers.get("Authorization"))
         limit = self.router.cfg.max_request_bytes
         if (request.content_length or 0) > limit:
             raise invalid("request_bytes", f"{request.content_length} bytes exceed max_request_bytes {limit}")
@@ -93,9 +94,9 @@ class OpenAIApi:
                          ("logprobs", lambda v: not v), ("tools", lambda v: not v)):
             if body.get(name) is not None and not ok(body[name]):
                 raise invalid(name, "not supported")
-        return body
+        return body, key
 
-    def _turn(self, request: web.Request, body: dict, ids: list[int], default_max_tokens: int,
+    def _turn(self, request: web.Request, body: dict, key: str, ids: list[int], default_max_tokens: int,
               max_tokens_field: str = "max_tokens") -> TurnRequest:
         r = self.router
         max_tokens = _field(body, max_tokens_field, int, None)
@@ -118,11 +119,12 @@ class OpenAIApi:
         template = verifier_pb2.GenerateRequest(sampling=sampling, stop=stops, stop_token_ids=stop_ids,
                                                 ignore_eos=ignore_eos)
         return TurnRequest(session_id=session_id, ids=ids, max_tokens=max_tokens,
-                           stops=r.stops(stops, stop_ids, ignore_eos), template=template, full_context=True)
+                           stops=r.stops(stops, stop_ids, ignore_eos), template=template, full_context=True,
+                           key_id=key)
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body, key = await self._body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -130,18 +132,18 @@ class OpenAIApi:
             ids = await self.router.encode(prompt)
         else:
             ids = _token_list(prompt, "prompt")
-        turn = self._turn(request, body, ids, self.router.cfg.default_max_tokens_http)
+        turn = self._turn(request, body, key, ids, self.router.cfg.default_max_tokens_http)
         return await self._respond(request, body, turn, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body, key = await self._body(request)
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                                  for m in messages)):
             raise invalid("messages", "a non-empty list of {role, content}")
         ids = await self.router.encode_chat([{"role": m["role"], "content": _message_text(m.get("content", ""))}
                                              for m in messages])
-        turn = self._turn(request, body, ids, self.router.cfg.max_tokens, "max_completion_tokens")
+        turn = self._turn(request, body, key, ids, self.router.cfg.max_tokens, "max_completion_tokens")
         return await self._respond(request, body, turn, chat=True)
 
     async def _respond(self, request: web.Request, body: dict, turn: TurnRequest, chat: bool) -> web.StreamResponse:
@@ -234,7 +236,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except RouterError as e:
         outcome = e.kind.value
-        return web.json_response(e.openai_body(), status=e.http_status)
+        return web.json_response(e.openai_body(), status=e.http_status, headers=dict(e.headers))
     finally:
         if request.path.startswith("/v1/") and request.method == "POST":
             request.app[ROUTER_KEY].metrics.requests[(API, request.get(OUTCOME, outcome))] += 1

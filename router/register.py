@@ -7,7 +7,8 @@ Two ways to run it:
   (the verifier does; `load` reports its sessions);
 - as a sidecar: `python -m router.register --redis-url URL --role drafter --address HOST:PORT`
   heartbeats on behalf of a process that has no hook, while that process answers
-  grpc.health.v1 Check with SERVING (k8s sidecar pattern).
+  grpc.health.v1 Check with SERVING (k8s sidecar pattern); `--peer-ca/--peer-cert/--peer-key`
+  when that process serves TLS / mTLS (specmesh.tls).
 
 Uses the synchronous redis client in a daemon thread: the services are thread-based. A Redis
 outage only logs; beats resume when it is back. Knows nothing about placement.
@@ -30,6 +31,7 @@ from redis.exceptions import RedisError
 
 from router.policies import Endpoint, Role
 from router.state import DEFAULT_PREFIX, Keys, endpoint_to_json
+from specmesh.tls import PLAINTEXT_PEER, PeerTls, add_peer_args, peer_channel, peer_from_args
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +124,11 @@ def start_heartbeat(redis_url: str, role: str, address: str, model: str = "", ca
     return Heartbeat(client, ep, load, interval_s, ttl_s, prefix).start()
 
 
-def _health_probe(address: str, timeout_s: float) -> Callable[[], bool]:
+def _health_probe(address: str, timeout_s: float, peer: PeerTls = PLAINTEXT_PEER) -> Callable[[], bool]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    stub = health_pb2_grpc.HealthStub(peer_channel(address, peer))
 
     def alive() -> bool:
         try:
@@ -150,11 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=0)
     p.add_argument("--interval-s", type=float, default=INTERVAL_S)
     p.add_argument("--ttl-s", type=float, default=TTL_S)
+    add_peer_args(p, env, "the process (its health check)")
     a = p.parse_args(argv)
+    peer = peer_from_args(vars(a))
+    try:
+        peer.validate()
+    except ValueError as e:
+        p.error(str(e))
     client = redis.Redis.from_url(a.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     ep = Endpoint(address=a.address, role=Role(a.role), model=a.model, capacity=a.capacity)
     hb = Heartbeat(client, ep, None, a.interval_s, a.ttl_s, a.redis_prefix,
-                   alive=_health_probe(a.address, min(1.0, a.interval_s)))
+                   alive=_health_probe(a.address, min(1.0, a.interval_s), peer))
     import signal
 
     done = threading.Event()

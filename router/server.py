@@ -1,6 +1,9 @@
 """The router process's servers: gRPC (`specmesh.v1.Router`, health, reflection; grpc.aio) and the
 OpenAI-compatible HTTP API (aiohttp), both in one event loop around one `Router`; graceful stop.
 
+With `cfg.tls` both ports serve TLS only (with `client_ca`: mTLS, clients without a certificate
+signed by it are refused in the handshake); without it, plaintext as before.
+
 gRPC accepts messages up to twice `max_request_bytes` (+1 MiB) so that a request over the limit
 gets INVALID_ARGUMENT naming it; beyond that gRPC's own RESOURCE_EXHAUSTED answers.
 """
@@ -20,6 +23,7 @@ from router.config import RouterConfig
 from router.http_api import build_app
 from router.servicer import RouterServicer
 from router.turns import Router
+from specmesh.tls import add_port, server_ssl_context
 from specmesh.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -42,7 +46,7 @@ async def start(cfg: RouterConfig, router: Router) -> Servers:
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     if port == 0:
         raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
     await server.start()
@@ -52,7 +56,8 @@ async def start(cfg: RouterConfig, router: Router) -> Servers:
     if cfg.http_port >= 0:
         runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, cfg.host, cfg.http_port)
+        site = web.TCPSite(runner, cfg.host, cfg.http_port,
+                           ssl_context=server_ssl_context(cfg.tls) if cfg.tls.enabled else None)
         await site.start()
         http_port = runner.addresses[0][1]  # the bound port when 0 was asked
     return Servers(server, hs, runner, port, http_port)

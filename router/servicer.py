@@ -32,7 +32,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def to_turn(self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> TurnRequest:
         r = self.router
-        r.authenticate(_metadata(context, "authorization"))
+        key = r.authenticate(_metadata(context, "authorization"))
         session_id = request.session_id or _metadata(context, "x-session-id") or ""
         r.check_request(request.ByteSize(), request.max_tokens, session_id, len(request.stop))
         if request.drafter_address:
@@ -50,7 +50,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return TurnRequest(
             session_id=session_id, ids=ids, max_tokens=request.max_tokens,
             stops=r.stops(tuple(request.stop), tuple(request.stop_token_ids), request.ignore_eos),
-            template=template, deadline=None if remaining is None else time.monotonic() + remaining)
+            template=template, deadline=None if remaining is None else time.monotonic() + remaining, key_id=key)
 
     async def Generate(self, request, context) -> AsyncIterator[verifier_pb2.GenerateResponse]:
         outcome = "ok"
@@ -67,7 +67,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         speculation=ev.speculation))
         except RouterError as e:
             outcome = e.kind.value
-            await context.abort(e.grpc_status, e.message)
+            await context.abort(e.grpc_status, e.message, e.headers)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -85,10 +85,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def CloseSession(self, request, context) -> verifier_pb2.CloseSessionResponse:
         try:
-            self.router.authenticate(_metadata(context, "authorization"))
+            key = self.router.authenticate(_metadata(context, "authorization"))
             if not request.session_id:
                 raise invalid("session_id", "required")
-            existed = await self.router.close_session(request.session_id)
+            existed = await self.router.close_session(request.session_id, key)
         except RouterError as e:
             await context.abort(e.grpc_status, e.message)
         return verifier_pb2.CloseSessionResponse(existed=existed)

@@ -15,6 +15,11 @@ they are — Redis keys are binary-safe; session ids are at most 256 characters)
 - `P load:{address}` (hash, TTL 10 min refreshed on every change): `turns`, `tokens` = turns in
   flight and their context tokens, summed over all routers.
 - `P rr` (string, no TTL): round-robin counter (INCR).
+- `P keysess:{key id}` (zset, ~60 B + session id per member; TTL = session TTL, refreshed every
+  turn; only with `--max-sessions-per-key`): the live sessions of one API key, scored by the
+  time (router clock, ms) their last turn started and ended. Members older than the session TTL
+  are pruned before every count, so a session stops counting when its binding lapses. The key id
+  is the first 16 hex digits of sha256(API key): no secret appears in key names.
 
 Binding writes are first-writer-wins: a new binding is written only if none exists; a rebinding
 only if the stored epoch is still the one the writer read (compare-and-set in one Lua script), so
@@ -22,6 +27,10 @@ two routers placing one session at once agree on the winner's binding.
 History is written when the first token of a turn arrives (so a refused turn leaves none) and then
 appended chunk by chunk. A router killed mid-turn leaves its `load:` increments until that key's
 TTL lapses with no traffic (the counters are a placement hint, never a correctness input).
+
+Sessions per key: a turn of a session not yet in its key's set is admitted only while the set
+holds fewer than the limit (prune, count, add: one Lua script, so concurrent routers never admit
+past it); a session already in it always is. CloseSession removes it from the caller's set.
 
 Any Redis failure is raised as `StateUnavailable` (UNAVAILABLE / 503 at the edge).
 """
@@ -43,6 +52,22 @@ from router.policies import Binding, Endpoint, Load, Role
 DEFAULT_PREFIX = "specmesh:"
 LOAD_TTL_S = 600.0
 _TOKEN = np.dtype("<i4")
+
+# KEYS[1] = a key's session set; ARGV = session id, now ms, TTL ms, limit. Returns {admitted 0/1,
+# live sessions after the call}.
+_ADMIT_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[3]))
+local n = redis.call('ZCARD', KEYS[1])
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) == false then
+  if n >= tonumber(ARGV[4]) then
+    return {0, n}
+  end
+  n = n + 1
+end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, n}
+"""
 
 # KEYS[1] = binding key; ARGV = expected epoch (0 = none), new binding JSON, TTL ms.
 # Writes when there is no binding or its epoch is the expected one; returns the stored binding.
@@ -85,6 +110,9 @@ class Keys:
     def round_robin(self) -> str:
         return f"{self.prefix}rr"
 
+    def key_sessions(self, key_id: str) -> str:
+        return f"{self.prefix}keysess:{key_id}"
+
 
 def endpoint_to_json(e: Endpoint) -> str:
     d = asdict(e)
@@ -124,6 +152,7 @@ class RouterState:
         self.keys = Keys(prefix)
         self.session_ttl_ms = int(session_ttl_s * 1000)
         self._bind = client.register_script(_BIND_LUA)
+        self._admit = client.register_script(_ADMIT_LUA)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = 3600.0,
@@ -227,6 +256,34 @@ class RouterState:
         except RedisError as exc:
             raise StateUnavailable(exc) from exc
         return binding_from_json(raw) if raw else None
+
+    # -- sessions per API key ------------------------------------------------------------------
+    async def admit_session(self, key_id: str, session_id: str, limit: int) -> tuple[bool, int]:
+        """Count `session_id` among `key_id`'s live sessions unless that makes more than `limit`
+        (a session already counted is always admitted and refreshed); (admitted, live sessions)."""
+        try:
+            ok, n = await self._admit(keys=[self.keys.key_sessions(key_id)],
+                                      args=[session_id, int(time.time() * 1000), self.session_ttl_ms, limit])
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return bool(ok), int(n)
+
+    async def touch_session(self, key_id: str, session_id: str) -> None:
+        """Refresh a counted session's time (at the end of its turn): it counts as long as its binding."""
+        k = self.keys.key_sessions(key_id)
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                p.zadd(k, {session_id: int(time.time() * 1000)}, xx=True)
+                p.pexpire(k, self.session_ttl_ms)
+                await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+
+    async def release_session(self, key_id: str, session_id: str) -> None:
+        try:
+            await self.r.zrem(self.keys.key_sessions(key_id), session_id)
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
 
     # -- loads ---------------------------------------------------------------------------------
     async def add_load(self, addresses: Iterable[str], turns: int, tokens: int) -> None:

@@ -22,6 +22,7 @@ prefix of it only the rest is sent (KV reuse), otherwise the session is rebuilt 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -38,6 +39,7 @@ from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
 from router.state import RouterState, StateUnavailable
 from specmesh.text import Stops, TextStream, first_stop
+from specmesh.tls import peer_channel
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def key_id(api_key: str) -> str:
+    """The id quotas count an API key under (and Redis keys name): never the key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class TurnRequest:
     session_id: str                      # "" = one-shot
@@ -63,6 +70,7 @@ class TurnRequest:
     template: verifier_pb2.GenerateRequest = field(default_factory=verifier_pb2.GenerateRequest)
     full_context: bool = False
     deadline: float | None = None        # time.monotonic() by which the turn must end
+    key_id: str = ""                     # the caller's API key id (Router.authenticate); "" = no auth
 
 
 @dataclass(frozen=True)
@@ -138,15 +146,18 @@ class Router:
         except (ValueError, TypeError, KeyError) as e:
             raise invalid("messages", f"cannot apply the chat template ({e})") from e
 
-    def authenticate(self, authorization: str | None) -> None:
-        """`Bearer KEY` with a configured key, or no keys configured; else UNAUTHENTICATED."""
+    def authenticate(self, authorization: str | None) -> str:
+        """`Bearer KEY` with a configured key, or no keys configured; else UNAUTHENTICATED.
+        Returns the key's id (key_id; "" without keys): what quotas are counted under."""
         if not self.cfg.api_keys:
-            return
+            return ""
         scheme, _, key = (authorization or "").partition(" ")
-        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip().encode(), k.encode())
+        key = key.strip()
+        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.encode(), k.encode())
                                                 for k in self.cfg.api_keys)
         if not ok:
             raise RouterError(Kind.UNAUTHENTICATED, "authorization: a valid API key is required (Bearer KEY)")
+        return key_id(key)
 
     def check_request(self, size_bytes: int, max_tokens: int, session_id: str, stop_strings: int) -> None:
         """The limits every request is checked against, whatever its front door."""
@@ -194,6 +205,7 @@ class Router:
             raise invalid("input", "a turn needs at least one token")
         if t.context > self.cfg.max_prompt_tokens:
             raise invalid("prompt_tokens", f"{t.context} tokens exceed max_prompt_tokens {self.cfg.max_prompt_tokens}")
+        counted = await self._admit(req)
         # 2. attempts: another verifier after any failure, before or after the first token
         try:
             for _ in range(self.cfg.max_attempts):
@@ -218,6 +230,29 @@ class Router:
         finally:
             if t.history == _History.DIRTY:
                 await self._rewrite(sid, t.base + t.new + t.produced)
+            if counted:
+                await self._touch(req)
+
+    async def _admit(self, req: TurnRequest) -> bool:
+        """Sessions per API key: a session the key does not hold yet is refused (EXHAUSTED, final)
+        when the key already holds `max_sessions_per_key` live ones. One-shot requests (no
+        session id) keep no state and are not counted. Whether the session is counted."""
+        limit = self.cfg.max_sessions_per_key
+        if not (limit and req.session_id and req.key_id):
+            return False
+        admitted, live = await self.state.admit_session(req.key_id, req.session_id, limit)
+        if not admitted:
+            raise RouterError(Kind.EXHAUSTED, f"max_sessions_per_key: this API key already has {live} live sessions "
+                                              f"(limit {limit}); reuse one, close one (CloseSession) or let one "
+                                              f"expire ({self.cfg.session_ttl_s:g} s after its last turn)",
+                              code="max_sessions_per_key", final=True)
+        return True
+
+    async def _touch(self, req: TurnRequest) -> None:
+        try:
+            await self.state.touch_session(req.key_id, req.session_id)
+        except StateUnavailable as e:
+            log.warning("session %r: sessions-per-key time not refreshed (%s)", req.session_id, e)
 
     async def _attempt(self, t: _Turn, binding: Binding, resumed: bool) -> AsyncIterator[Delta | Done]:
         """Stream the turn from one verifier until it completes (t.done), the router saw a stop
@@ -358,7 +393,7 @@ class Router:
     def _stub(self, address: str) -> verifier_pb2_grpc.VerifierStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = peer_channel(address, self.cfg.peer_tls, CHANNEL_OPTIONS, aio=True)
         return verifier_pb2_grpc.VerifierStub(ch)
 
     # -- other operations ----------------------------------------------------------------------
@@ -367,7 +402,9 @@ class Router:
         eps = [e for e in await self.state.endpoints() if not e.model or e.model == self.model_name]
         return [(self.model_name, sum(e.role == Role.VERIFIER for e in eps), sum(e.role == Role.DRAFTER for e in eps))]
 
-    async def close_session(self, sid: str) -> bool:
+    async def close_session(self, sid: str, key_id: str = "") -> bool:
+        if key_id and self.cfg.max_sessions_per_key:
+            await self.state.release_session(key_id, sid)
         binding = await self.state.forget(sid)
         if binding is None:
             return False

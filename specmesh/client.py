@@ -17,10 +17,16 @@
 - Cancellation: closing the stream (`stream.cancel()`, leaving a `with` block, `break` out of a
   loop over a stream nobody else holds, cancelling the asyncio task) cancels the RPC, and the
   router cancels the verifier's turn.
+  A status sent with trailing metadata `x-should-retry: false` (e.g. the router's
+  max_sessions_per_key) is never retried.
 - Errors: `SpecmeshError` with the gRPC `code` and the server's `details` (which name the field
   or limit at fault).
+- TLS: `tls=True` (system roots), `root_ca=PATH` (trust that CA), `client_cert=PATH` +
+  `client_key=PATH` (mTLS, for a router started with `--tls-client-ca`); or any
+  `credentials=grpc.ChannelCredentials`. Default: plaintext.
 
-Only this module of specmesh/ imports grpc for clients; it knows nothing of the engine.
+Only this module and specmesh.tls of specmesh/ import grpc for clients; they know nothing of
+the engine.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from dataclasses import dataclass, field, fields
 
 import grpc
 
+from specmesh.tls import channel_credentials
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, verifier_pb2
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 BACKOFF_S = (0.1, 0.3, 1.0, 2.0)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+NO_RETRY = ("x-should-retry", "false")  # trailing metadata of an error that a retry cannot cure
 
 
 class SpecmeshError(RuntimeError):
@@ -126,12 +134,24 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _may_retry(e: grpc.RpcError, attempt: int, retries: int, deadline: float | None) -> float | None:
     """Seconds to wait before retrying, or None to give up."""
-    if e.code() not in RETRYABLE or attempt >= retries:
+    if e.code() not in RETRYABLE or attempt >= retries or NO_RETRY in tuple(e.trailing_metadata() or ()):
         return None
     wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
     if deadline is not None and time.monotonic() + wait >= deadline:
         return None
     return wait
+
+
+def _credentials(credentials: grpc.ChannelCredentials | None, tls: bool, root_ca: str | None,
+                 client_cert: str | None, client_key: str | None) -> grpc.ChannelCredentials | None:
+    """The channel credentials the options ask for; None = plaintext."""
+    if credentials is not None:
+        if tls or root_ca or client_cert or client_key:
+            raise ValueError("credentials: give either credentials or tls/root_ca/client_cert/client_key")
+        return credentials
+    if tls or root_ca or client_cert or client_key:
+        return channel_credentials(root_ca, client_cert, client_key)
+    return None
 
 
 class _Base:
@@ -187,7 +207,9 @@ class Stream:
 
 class Client(_Base):
     def __init__(self, target: str | Sequence[str], *, api_key: str | None = None, timeout: float | None = None,
-                 retries: int = 3, credentials: grpc.ChannelCredentials | None = None) -> None:
+                 retries: int = 3, credentials: grpc.ChannelCredentials | None = None, tls: bool = False,
+                 root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None) -> None:
+        credentials = _credentials(credentials, tls, root_ca, client_cert, client_key)
         super().__init__(target, api_key, timeout, retries, credentials)
         self._channels = [grpc.secure_channel(a, credentials, CHANNEL_OPTIONS) if credentials else
                           grpc.insecure_channel(a, CHANNEL_OPTIONS) for a in self.addresses]
@@ -299,7 +321,9 @@ class AsyncStream:
 
 class AsyncClient(_Base):
     def __init__(self, target: str | Sequence[str], *, api_key: str | None = None, timeout: float | None = None,
-                 retries: int = 3, credentials: grpc.ChannelCredentials | None = None) -> None:
+                 retries: int = 3, credentials: grpc.ChannelCredentials | None = None, tls: bool = False,
+                 root_ca: str | None = None, client_cert: str | None = None, client_key: str | None = None) -> None:
+        credentials = _credentials(credentials, tls, root_ca, client_cert, client_key)
         super().__init__(target, api_key, timeout, retries, credentials)
         self._channels = [grpc.aio.secure_channel(a, credentials, CHANNEL_OPTIONS) if credentials else
                           grpc.aio.insecure_channel(a, CHANNEL_OPTIONS) for a in self.addresses]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class VerifierConfig:
     grace_s: float = 5.0               # graceful shutdown: in-flight streams get this long
     redis_url: str = ""                # register with the router registry there ("" = don't)
     metrics_port: int = 0              # Prometheus /metrics on this port (0 = off)
+    tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (routers dial it); off = plaintext
+    peer_tls: PeerTls = field(default_factory=PeerTls)  # the links to drafters; off = plaintext
 
 
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
@@ -52,7 +56,16 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
                    help="register and heartbeat in the router registry (router.register)")
     p.add_argument("--metrics-port", type=int, default=int(env("SPECMESH_METRICS_PORT", d.metrics_port)),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
+    add_server_args(p, env)
+    add_peer_args(p, env, "drafters")
     a = p.parse_args(argv)
     if a.tp < 1 or a.threads < 1:
         p.error("--tp and --threads must be >= 1")
-    return VerifierConfig(**vars(a))
+    a = vars(a)
+    cfg = VerifierConfig(tls=server_from_args(a), peer_tls=peer_from_args(a), **a)
+    try:
+        cfg.tls.validate()
+        cfg.peer_tls.validate()
+    except ValueError as e:
+        p.error(str(e))
+    return cfg

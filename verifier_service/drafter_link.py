@@ -5,7 +5,8 @@ Failure semantics: a drafter that is dead, slow or wrong only costs speed. `next
 most the step deadline and then returns an empty tree (the verifier decodes one token without
 speculation); the commit of that step is still sent, so the drafter stays in step (a late tree
 for an old step is dropped here). A broken stream marks the link dead: every waiter wakes at once,
-and `LinkPool` opens a new stream after `reconnect_s`.
+and `LinkPool` opens a new stream after `reconnect_s`. Links are plaintext, or TLS / mTLS as the
+pool's `PeerTls` says (a drafter refusing the handshake is a dead link like any other).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import grpc
 from specmesh.convert import sampling_to_pb, tree_from_pb
 from specmesh.engine import SpecConfig
 from specmesh.sampling import SamplingParams, VerifyResult
+from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
 from specmesh.tree import DraftTree
 from specmesh.v1 import drafter_pb2 as pb
 from specmesh.v1 import drafter_pb2_grpc
@@ -28,7 +30,7 @@ _DEAD = object()  # wakes waiters of a broken link
 
 
 class DrafterLink:
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(self, address: str, max_message_bytes: int, peer: PeerTls = PLAINTEXT_PEER) -> None:
         self.address = address
         self.alive = True
         self.failed_at = 0.0
@@ -37,7 +39,7 @@ class DrafterLink:
         self._lock = threading.Lock()
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(address, options=opts)
+        self._channel = peer_channel(address, peer, opts)
         call = drafter_pb2_grpc.DrafterStub(self._channel).Draft(self._requests())
         threading.Thread(target=self._read, args=(call,), daemon=True, name=f"drafter-{address}").start()
 
@@ -108,11 +110,12 @@ class DrafterLink:
 class LinkPool:
     """One live DrafterLink per address; a dead one is replaced after `reconnect_s`."""
 
-    def __init__(self, max_message_bytes: int, reconnect_s: float) -> None:
+    def __init__(self, max_message_bytes: int, reconnect_s: float, peer: PeerTls = PLAINTEXT_PEER) -> None:
         self._links: dict[str, DrafterLink] = {}
         self._lock = threading.Lock()
         self.max_message_bytes = max_message_bytes
         self.reconnect_s = reconnect_s
+        self.peer = peer
 
     def get(self, address: str) -> DrafterLink | None:
         with self._lock:
@@ -123,7 +126,7 @@ class LinkPool:
                 link.shutdown()
                 link = None
             if link is None:
-                link = self._links[address] = DrafterLink(address, self.max_message_bytes)
+                link = self._links[address] = DrafterLink(address, self.max_message_bytes, self.peer)
             return link
 
     def shutdown(self) -> None:

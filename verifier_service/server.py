@@ -1,4 +1,5 @@
-"""gRPC server of the verifier: port, message limits, health, reflection, graceful stop."""
+"""gRPC server of the verifier: port (plaintext, or TLS / mTLS with cfg.tls), message limits,
+health, reflection, graceful stop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.tls import add_port
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.servicer import VerifierServicer
 from verifier_service.turns import Verifier
@@ -26,7 +28,7 @@ def build_server(verifier: Verifier, max_workers: int = 32) -> tuple[grpc.Server
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     if port == 0:
         raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
     for name in ("", SERVICE_NAME):

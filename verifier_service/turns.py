@@ -56,7 +56,7 @@ class Verifier:
         self.vocab_size = model.config.vocab_size
         self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
         self.sessions = SessionStore(cfg.max_sessions)
-        self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s)
+        self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s, cfg.peer_tls)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -80,6 +80,43 @@ def test_history_append_replace_and_ttl_refresh(redis_server):
     assert forgotten == Binding("a:1") and gone == (None, [])
 
 
+def test_sessions_per_key_admit_up_to_the_limit_across_routers(redis_server):
+    async def body(s: RouterState):
+        other = RouterState(s.r, s.keys.prefix, session_ttl_s=60)  # a second router on the same keys
+        first = [await s.admit_session("k1", sid, 2) for sid in ("a", "b")]
+        refused = await other.admit_session("k1", "c", 2)
+        again = await other.admit_session("k1", "a", 2)      # an existing session always goes on
+        other_key = await s.admit_session("k2", "c", 2)
+        await other.release_session("k1", "b")               # CloseSession frees its slot
+        freed = await s.admit_session("k1", "c", 2)
+        racing = await asyncio.gather(*(st.admit_session("k3", f"r{i}", 3)
+                                        for i, st in enumerate([s, other] * 5)))
+        await s.touch_session("k1", "a")
+        await s.touch_session("k1", "never-admitted")       # a refresh never adds
+        members = sorted(m.decode() for m in await s.r.zrange(s.keys.key_sessions("k1"), 0, -1))
+        return first, refused, again, other_key, freed, racing, members, await s.r.pttl(s.keys.key_sessions("k1"))
+    first, refused, again, other_key, freed, racing, members, ttl = run(body, redis_server.url, session_ttl_s=60)
+    assert first == [(True, 1), (True, 2)] and refused == (False, 2) and again == (True, 2)
+    assert other_key == (True, 1) and freed == (True, 2)
+    assert sum(ok for ok, _ in racing) == 3  # concurrent routers never admit past the limit
+    assert members == ["a", "c"] and 50_000 < ttl <= 60_000
+
+
+def test_sessions_per_key_lapse_with_the_session_ttl(redis_server):
+    async def body(s: RouterState):
+        full = [await s.admit_session("k", sid, 2) for sid in ("a", "b", "c")]
+        await asyncio.sleep(0.5)
+        await s.admit_session("k", "a", 2)                   # a turn of "a" refreshes it, not "b"
+        await asyncio.sleep(0.6)                             # "b" is now older than the TTL
+        after = await s.admit_session("k", "c", 2)
+        await asyncio.sleep(1.1)
+        return full, after, await s.r.exists(s.keys.key_sessions("k"))
+    full, after, exists = run(body, redis_server.url, session_ttl_s=1.0)
+    assert [ok for ok, _ in full] == [True, True, False]
+    assert after == (True, 2)  # "b" no longer counted: "a" and "c"
+    assert not exists          # the set expires with its last session
+
+
 def test_pack_tokens_is_little_endian_int32():
     assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
     assert unpack_tokens(pack_tokens([5, 0, 123456])) == [5, 0, 123456]

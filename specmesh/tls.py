@@ -1,0 +1,178 @@
+"""TLS and mTLS for specmesh's ports and channels, built from PEM file paths: one place for the
+router, the verifier and the drafter services, the `router.register` sidecar and the SDK.
+
+Two settings, each off by default (plaintext, exactly as without this module):
+- `ServerTls` — a listening port (gRPC or HTTP): `cert` + `key` turn TLS on; `client_ca` also
+  requires every client to present a certificate signed by that CA (mTLS). Flags `--tls-cert`,
+  `--tls-key`, `--tls-client-ca` (alias `--tls-ca`); env SPECMESH_TLS_CERT / _KEY / _CLIENT_CA.
+- `PeerTls` — channels this process opens to other services (router -> verifier,
+  verifier -> drafter, sidecar -> drafter health): `ca` (the CA peers' certificates must chain
+  to; empty = the system roots) or a `cert` turns TLS on; `cert` + `key` are presented to peers
+  that require mTLS; `server_name` checks peers against that name instead of the dialled host
+  (one certificate for a fleet whose pods are dialled by IP). Flags `--peer-ca`, `--peer-cert`,
+  `--peer-key`, `--peer-server-name`; env SPECMESH_PEER_CA / _CERT / _KEY / _SERVER_NAME.
+
+A transport edge, like specmesh.client: it imports grpc and ssl and knows nothing of the engine.
+Files are read when credentials are built (at start): a bad path fails the start, naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+Env = Callable[[str, str], str]
+
+
+def _read(path: str, name: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{name}: cannot read {path} ({e.strerror or e})") from e
+
+
+def _check_files(pairs: Sequence[tuple[str, str]]) -> None:
+    for name, path in pairs:
+        if path and not Path(path).is_file():
+            raise ValueError(f"{name}: no such file {path}")
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    cert: str = ""       # PEM certificate chain of this server ("" = plaintext)
+    key: str = ""        # its PEM private key
+    client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+    @property
+    def mode(self) -> str:
+        return "mtls" if self.client_ca else "tls" if self.cert else "off"
+
+    def validate(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls_cert, tls_key: give both or neither")
+        if self.client_ca and not self.cert:
+            raise ValueError("tls_client_ca: needs tls_cert and tls_key (client certificates are checked over TLS)")
+        _check_files((("tls_cert", self.cert), ("tls_key", self.key), ("tls_client_ca", self.client_ca)))
+
+
+@dataclass(frozen=True)
+class PeerTls:
+    ca: str = ""           # PEM CA bundle peers' certificates must chain to ("" = system roots)
+    cert: str = ""         # PEM client certificate presented to peers (mTLS)
+    key: str = ""          # its PEM private key
+    server_name: str = ""  # expected name in peers' certificates ("" = the dialled host)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca or self.cert)
+
+    def validate(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("peer_cert, peer_key: give both or neither")
+        if self.server_name and not self.enabled:
+            raise ValueError("peer_server_name: needs peer_ca or peer_cert (it applies to TLS only)")
+        _check_files((("peer_ca", self.ca), ("peer_cert", self.cert), ("peer_key", self.key)))
+
+
+PLAINTEXT_SERVER = ServerTls()
+PLAINTEXT_PEER = PeerTls()
+
+
+# -- gRPC ---------------------------------------------------------------------------------------
+def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
+    assert tls.enabled
+    ca = _read(tls.client_ca, "tls_client_ca") if tls.client_ca else None
+    return grpc.ssl_server_credentials([(_read(tls.key, "tls_key"), _read(tls.cert, "tls_cert"))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTls) -> int:
+    """`server.add_secure_port` with `tls`, or `add_insecure_port` when it is off; the bound port
+    (0 = could not bind)."""
+    if tls.enabled:
+        return server.add_secure_port(address, server_credentials(tls))
+    return server.add_insecure_port(address)
+
+
+def channel_credentials(ca: str | None = None, cert: str | None = None,
+                        key: str | None = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials from paths: trust `ca` (None = system roots); present `cert` +
+    `key` to servers that require mTLS."""
+    if bool(cert) != bool(key):
+        raise ValueError("client_cert, client_key: give both or neither")
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "root_ca") if ca else None,
+                                        private_key=_read(key, "client_key") if key else None,
+                                        certificate_chain=_read(cert, "client_cert") if cert else None)
+
+
+def peer_channel(address: str, peer: PeerTls, options: Sequence[tuple[str, object]] = (),
+                 aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
+    """A channel to another service: TLS as `peer` says, else plaintext."""
+    mod = grpc.aio if aio else grpc
+    if not peer.enabled:
+        return mod.insecure_channel(address, options=list(options))
+    opts = list(options)
+    if peer.server_name:
+        opts.append(("grpc.ssl_target_name_override", peer.server_name))
+    creds = channel_credentials(peer.ca or None, peer.cert or None, peer.key or None)
+    return mod.secure_channel(address, creds, options=opts)
+
+
+# -- HTTP (aiohttp server, any ssl client) -------------------------------------------------------
+def server_ssl_context(tls: ServerTls) -> ssl.SSLContext:
+    assert tls.enabled
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca:
+        ctx.load_verify_locations(cafile=tls.client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_ssl_context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    """For HTTPS clients of the router (e.g. `openai.DefaultHttpClient(verify=ctx)`)."""
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+# -- flags ---------------------------------------------------------------------------------------
+def add_server_args(p: argparse.ArgumentParser, env: Env = os.environ.get) -> None:
+    g = p.add_argument_group("TLS of the listening port(s) (default: plaintext)")
+    g.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""), help="PEM certificate chain; turns TLS on")
+    g.add_argument("--tls-key", default=env("SPECMESH_TLS_KEY", ""), help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", "--tls-ca", dest="tls_client_ca", default=env("SPECMESH_TLS_CLIENT_CA", ""),
+                   help="PEM CA: require client certificates signed by it (mTLS)")
+
+
+def add_peer_args(p: argparse.ArgumentParser, env: Env = os.environ.get, what: str = "other services") -> None:
+    g = p.add_argument_group(f"TLS of channels to {what} (default: plaintext)")
+    g.add_argument("--peer-ca", default=env("SPECMESH_PEER_CA", ""),
+                   help="PEM CA the peers' certificates must chain to; turns TLS on")
+    g.add_argument("--peer-cert", default=env("SPECMESH_PEER_CERT", ""),
+                   help="PEM client certificate for peers that require mTLS (turns TLS on; without --peer-ca "
+                        "peers are checked against the system roots)")
+    g.add_argument("--peer-key", default=env("SPECMESH_PEER_KEY", ""), help="PEM private key of --peer-cert")
+    g.add_argument("--peer-server-name", default=env("SPECMESH_PEER_SERVER_NAME", ""),
+                   help="name expected in peers' certificates instead of the dialled host")
+
+
+def server_from_args(a: dict) -> ServerTls:
+    """Pop the flags of add_server_args from `vars(args)`."""
+    return ServerTls(a.pop("tls_cert"), a.pop("tls_key"), a.pop("tls_client_ca"))
+
+
+def peer_from_args(a: dict) -> PeerTls:
+    """Pop the flags of add_peer_args from `vars(args)`."""
+    return PeerTls(a.pop("peer_ca"), a.pop("peer_cert"), a.pop("peer_key"), a.pop("peer_server_name"))
