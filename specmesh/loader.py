@@ -72,7 +72,12 @@ def _gguf_to_folder(gguf: Path) -> Path:
         save_file(state, tmp / "model.safetensors")
         model.config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-        os.replace(tmp, folder) if not folder.exists() else shutil.rmtree(tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process (a verifier and a drafter starting together) finished first
+            if not (folder / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
