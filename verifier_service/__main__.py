@@ -1,4 +1,7 @@
-"""`python -m verifier_service --port P --tp N --target PATH --drafter HOST:PORT ...`"""
+"""`python -m verifier_service --port P --tp N --target PATH --drafter HOST:PORT ...`
+
+TP over machines: `--tp N --tp-local-ranks K --tp-listen 0.0.0.0:29500` here, and ranks K..N-1
+elsewhere with `python -m verifier_service.tp_group --master THIS_HOST:29500 --rank K --world N`."""
 
 from __future__ import annotations
 
@@ -20,8 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(path)
     if cfg.tp > 1:
         from verifier_service.tp_group import start_tp
+        from verifier_service.tp_join import TPStartError
 
-        model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads)
+        if 0 < cfg.tp_local_ranks < cfg.tp:
+            print(f"verifier_service: waiting for tp ranks {cfg.tp_local_ranks}..{cfg.tp - 1} to join at "
+                  f"{cfg.tp_listen} (python -m verifier_service.tp_group --master HOST:PORT --rank R --world {cfg.tp})",
+                  flush=True)
+        try:
+            model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads, listen=cfg.tp_listen or None,
+                             local_ranks=cfg.tp_local_ranks or None, start_timeout_s=cfg.tp_start_timeout_s)
+        except (TimeoutError, TPStartError) as e:  # a rank missing, refused or crashed: say which, exit
+            print(f"verifier_service: {e}", file=sys.stderr, flush=True)
+            return 1
     else:
         model = load_model(path)
     from verifier_service.metrics import MeteredVerifier, start_exporter

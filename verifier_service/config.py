@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
+from verifier_service.tp_join import parse_hostport
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,9 @@ class VerifierConfig:
     port: int = 0                      # 0 = a free port (printed on start)
     target: str | None = None          # HF folder, .safetensors or .gguf; None = bundled SmolLM2
     tp: int = 1                        # tensor-parallel ranks (gloo on CPU, NCCL with CUDA)
+    tp_listen: str = ""                # HOST:PORT of rank 0's TP store, for ranks elsewhere ("" = local, free port)
+    tp_local_ranks: int = 0            # ranks started on this machine, rank 0 included (0 = all --tp)
+    tp_start_timeout_s: float = 600.0  # every TP rank joined and loaded within this, else exit
     threads: int = 1                   # torch threads per rank
     drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
     budget: int = 8                    # default draft nodes per step
@@ -41,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--port", type=int, default=int(env("SPECMESH_PORT", d.port)))
     p.add_argument("--target", default=env("SPECMESH_TARGET", d.target))
     p.add_argument("--tp", type=int, default=int(env("SPECMESH_TP", d.tp)))
+    p.add_argument("--tp-listen", default=env("SPECMESH_TP_LISTEN", d.tp_listen),
+                   help="HOST:PORT where TP ranks on other machines join (e.g. 0.0.0.0:29500)")
+    p.add_argument("--tp-local-ranks", type=int, default=int(env("SPECMESH_TP_LOCAL_RANKS", d.tp_local_ranks)),
+                   help="TP ranks started here, rank 0 included (default: all --tp); the others join at "
+                   "--tp-listen (python -m verifier_service.tp_group)")
+    p.add_argument("--tp-start-timeout-s", type=float,
+                   default=float(env("SPECMESH_TP_START_TIMEOUT_S", d.tp_start_timeout_s)))
     p.add_argument("--threads", type=int, default=int(env("SPECMESH_THREADS", d.threads)))
     p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
     p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)))
@@ -61,6 +72,15 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     a = p.parse_args(argv)
     if a.tp < 1 or a.threads < 1:
         p.error("--tp and --threads must be >= 1")
+    if not 0 <= a.tp_local_ranks <= a.tp:
+        p.error(f"--tp-local-ranks must be in 1..{a.tp} (0 = all)")
+    if a.tp_listen:
+        try:
+            parse_hostport(a.tp_listen)
+        except ValueError as e:
+            p.error(f"--tp-listen: {e}")
+    elif 0 < a.tp_local_ranks < a.tp:
+        p.error("--tp-local-ranks below --tp needs --tp-listen HOST:PORT (where the other ranks join)")
     a = vars(a)
     cfg = VerifierConfig(tls=server_from_args(a), peer_tls=peer_from_args(a), **a)
     try:

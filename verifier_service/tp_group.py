@@ -1,11 +1,14 @@
 """A tensor-parallel target: one model over N ranks (processes), driven by rank 0.
 
-Rank 0 is the verifier process (it serves gRPC); `start_tp` starts ranks 1..N-1 as child processes
-(`python -m verifier_service.tp_group`), and every rank loads the full model and keeps its shard
-(`specmesh.tp.apply_tp`). Rank 0 gets a `TPModel`: the interface the engine uses (`forward` /
-`__call__`, `new_cache`, `config`), whose caches (`TPCache`) have KVCache's `length`, `commit`,
-`truncate` and `ensure_capacity`. Each op is replayed on every rank, then all run the same forward
-with their shard (all-reducing inside); only rank 0 computes logits.
+Rank 0 is the verifier process (it serves gRPC); `start_tp` starts ranks 1..K-1 as child
+processes (`python -m verifier_service.tp_group`; K = `local_ranks`, default N), and ranks
+K..N-1 join from other machines with the same command (`--master` = rank 0's `listen`; how ranks
+find rank 0 and check that they belong to its group: tp_join.py). Every rank loads the full
+model and keeps its shard (`specmesh.tp.apply_tp`). Rank 0 gets a `TPModel`: the interface the
+engine uses (`forward` / `__call__`, `new_cache`, `config`), whose caches (`TPCache`) have
+KVCache's `length`, `commit`, `truncate` and `ensure_capacity`. Each op is replayed on every
+rank, then all run the same forward with their shard (all-reducing inside); only rank 0 computes
+logits.
 
 Protocol (rank 0 -> ranks 1..N-1, torch.distributed broadcasts over a gloo group, CPU tensors; no
 pickling). An op is a header `int64[HEADER_LEN] = [op, cache_id, a, b, c, 0, ...]`, then:
@@ -18,15 +21,17 @@ Caches are named by integer ids chosen by rank 0. One lock on rank 0 makes each 
 rank 0's own part) atomic, so sessions in concurrent threads never interleave. A cache is freed
 on every rank by `TPCache.close()`, or after it is garbage collected (queued by `__del__`, sent
 before the next op: a finalizer must not broadcast, it may run in the middle of a forward).
-With NCCL (when CUDA is present) rank r computes on cuda:r and all-reduces over NCCL; control
-messages still travel over a separate gloo group, so they never wait on a GPU stream.
+With NCCL (when CUDA is present on rank 0, which chooses for every rank) the i-th rank of a
+machine computes on cuda:i and all-reduces over NCCL; control messages still travel over a
+separate gloo group, so they never wait on a GPU stream.
 
 Failures: nothing waits forever. Every collective has the group's `timeout_s`; an idle rank 0
 sends NOOP every `timeout_s / 4` so idle workers never time out. Before each op rank 0 checks its
-children: a dead worker is seen at once. A worker that dies mid-op closes its sockets, so rank 0
-fails at once; one that stalls fails rank 0 after `timeout_s`. Either way the TPModel becomes
-**broken**: it kills the remaining workers and every call raises `TPGroupError` (the verifier
-should report itself unhealthy and restart; the router rebuilds sessions from their history).
+children: a dead child is seen at once. A worker (child or remote) that dies mid-op closes its
+sockets, so rank 0 fails at once; one that stalls fails rank 0 after `timeout_s`. Either way the
+TPModel becomes **broken**: it kills its remaining children and every call raises `TPGroupError`
+(the verifier should report itself unhealthy and restart; the router rebuilds sessions from
+their history).
 Workers exit when rank 0 goes away (closed sockets) or stalls (timeout). Bad input (a
 `ValueError`, raised alike by every rank before any collective) leaves the group usable.
 One TPModel per process: it owns torch.distributed's default group.
@@ -34,10 +39,10 @@ One TPModel per process: it owns torch.distributed's default group.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -54,14 +59,14 @@ import torch
 import torch.distributed as dist
 
 from specmesh.kv_cache import MIN_CAPACITY, KVCache
-from specmesh.loader import load_model, resolve_folder
-from specmesh.model import ModelConfig, Transformer
+from specmesh.loader import bundled_target_path, load_model, resolve_folder
+from specmesh.model import Transformer
 from specmesh.tp import apply_tp, check_world_size, tp_all_reduce
+from verifier_service import tp_join
+from verifier_service.tp_join import START_TIMEOUT_S, GroupSpec, JoinError, WorkerConfig
 
 HEADER_LEN = 8
-ADDR = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 60.0
-START_TIMEOUT_S = 600.0  # every rank loading the model
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
@@ -133,11 +138,11 @@ class TPModel:
 
     def __init__(self, model: Transformer, device: torch.device, workers: Sequence[subprocess.Popen] = (),
                  group: dist.ProcessGroup | None = None, store: dist.Store | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, world_size: int | None = None) -> None:
         self.model = model  # rank 0's shard
-        self.config: ModelConfig = model.config
+        self.config = model.config
         self.device = device
-        self.world_size = 1 + len(workers)
+        self.world_size = world_size or 1 + len(workers)  # workers: rank 0's children, ranks 1..K-1
         self._workers = list(workers)
         self._group, self._store = group, store
         self._lock = threading.Lock()
@@ -149,16 +154,18 @@ class TPModel:
         self._stop = threading.Event()
         self._heartbeat_s = timeout_s / 4
         self._beat: threading.Thread | None = None
-        if self._workers:
+        if self.world_size > 1:
             self._beat = threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True)
             self._beat.start()
 
     @property
     def worker_pids(self) -> list[int]:
+        """Rank 0's child ranks (ranks on other machines are not its processes)."""
         return [p.pid for p in self._workers]
 
     @property
     def healthy(self) -> bool:
+        """Not shut down or broken, and no child exited (a lost remote rank shows on the next op)."""
         return not self._closed and self._error is None and all(p.poll() is None for p in self._workers)
 
     def new_cache(self, capacity: int = MIN_CAPACITY) -> TPCache:
@@ -186,7 +193,7 @@ class TPModel:
 
         header = [Op.FORWARD, cache.id, start, t, 0 if mask is None else mask.shape[1]]
         payload: list[torch.Tensor] = []
-        if self._workers:
+        if self.world_size > 1:
             payload.append(torch.stack([tokens.cpu(), positions.cpu()]).to(torch.int64))  # [2, T]
             if mask is not None:
                 payload.append(mask.cpu().to(torch.uint8))  # [T, S]
@@ -201,7 +208,7 @@ class TPModel:
             if self._closed:
                 return
             self._closed = True
-            if self._workers and self._error is None:
+            if self.world_size > 1 and self._error is None:
                 try:
                     self._send([Op.STOP], [])
                 except TPGroupError:
@@ -214,7 +221,7 @@ class TPModel:
                     log.warning("tp: worker %d did not stop within %.0f s; killing it", p.pid, grace_s)
                     p.kill()
                     p.wait()
-            if self._workers and dist.is_initialized():
+            if self.world_size > 1 and dist.is_initialized():
                 dist.destroy_process_group()
         if self._beat is not None:
             self._beat.join()
@@ -265,7 +272,7 @@ class TPModel:
                 raise TPGroupError(self._error) from e
 
     def _send(self, header: list[int], payload: Sequence[torch.Tensor]) -> None:
-        if not self._workers:
+        if self.world_size == 1:
             return
         h = torch.tensor([int(x) for x in header] + [0] * (HEADER_LEN - len(header)), dtype=torch.int64)
         try:
@@ -290,7 +297,8 @@ class TPModel:
             raise TPGroupError(self._error)
 
     def _fail(self, reason: str) -> None:
-        """Mark the group broken (first reason wins) and kill the workers: it cannot recover."""
+        """Mark the group broken (first reason wins) and kill the children: it cannot recover.
+        (Remote ranks exit when their next collective fails or times out.)"""
         if self._error is None:
             self._error = reason
             log.error("%s; the TP group is broken", reason)
@@ -327,90 +335,93 @@ class TPModel:
 # --- starting the group ---------------------------------------------------------------------------
 
 
-def _device(backend: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+def _device(backend: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _init_group(backend: str, store: dist.Store, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup | None:
+def _init_group(backend: str, store: dist.Store, rank: int, world: int, timeout_s: float,
+                local_rank: int) -> dist.ProcessGroup | None:
     """Join the default group; return the group control messages use (None: the default one)."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _load_shard(folder: Path, rank: int, world: int, dtype: torch.dtype, device: torch.device) -> Transformer:
-    model = load_model(folder, dtype)
+def _shard(model: Transformer, rank: int, world: int, device: torch.device) -> Transformer:
     return apply_tp(model, rank, world, partial(tp_all_reduce, group=None)).to(device)
 
 
-def _spawn(rank: int, world: int, port: int, folder: Path, backend: str, threads: int, dtype: torch.dtype,
-           timeout_s: float) -> subprocess.Popen:
-    env = dict(os.environ, MASTER_ADDR=ADDR, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS=str(threads))
+def _spawn(rank: int, world: int, master: str, folder: Path, threads: int, start_timeout_s: float,
+           local_rank: int) -> subprocess.Popen:
+    """`python -m verifier_service.tp_group` for one rank on this machine."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     root = str(Path(__file__).resolve().parents[1])  # so `-m verifier_service.tp_group` imports from any cwd
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "verifier_service.tp_group", "--target", str(folder), "--backend", backend,
-           "--threads", str(threads), "--dtype", str(dtype).removeprefix("torch."), "--timeout-s", str(timeout_s)]
+    cmd = [sys.executable, "-m", "verifier_service.tp_group", "--target", str(folder), "--master", master,
+           "--rank", str(rank), "--world", str(world), "--local-rank", str(local_rank), "--threads", str(threads),
+           "--start-timeout-s", str(start_timeout_s)]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
 
-def _wait_ready(store: dist.Store, workers: list[subprocess.Popen], timeout_s: float) -> None:
-    """Wait until every worker has loaded its shard; fail fast if one exits while loading."""
-    keys = [f"ready/{rank}" for rank in range(1, len(workers) + 1)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        for rank, p in enumerate(workers, 1):
-            if p.poll() is not None:
-                raise RuntimeError(f"tp: rank {rank} exited with code {p.returncode} while starting (see its stderr)")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"tp: workers not ready after {timeout_s:.0f} s")
-        time.sleep(0.05)
-
-
 def start_tp(target_path: str | os.PathLike, world_size: int, threads_per_rank: int = 1, backend: str | None = None,
-             *, dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPModel:
-    """Load `target_path` over `world_size` ranks: this process is rank 0, the others its children.
+             *, dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, listen: str | None = None,
+             local_ranks: int | None = None, start_timeout_s: float = START_TIMEOUT_S) -> TPModel:
+    """Load `target_path` over `world_size` ranks: this process is rank 0, ranks 1..local_ranks-1
+    its children, ranks local_ranks..world_size-1 processes elsewhere that join at `listen`.
 
-    backend: "nccl" if CUDA is available else "gloo" (NCCL: rank r on cuda:r). Sets this
-    process's torch threads to `threads_per_rank`, as each worker does. `world_size` 1: no process
-    group, no workers. Call `shutdown()` (or use `with`) when done.
+    listen: "HOST:PORT" of rank 0's store, where remote ranks dial (None: 127.0.0.1 at a free
+    port, local ranks only). local_ranks: ranks on this machine, rank 0 included (None: all).
+    Every rank must have joined and loaded within `start_timeout_s`, else a TimeoutError naming
+    the missing ones; a rank that refuses (another world size or target) or exits: TPStartError.
+    backend: "nccl" if CUDA is available else "gloo" (NCCL: local rank i on cuda:i); workers
+    follow rank 0's choice. Sets this process's torch threads to `threads_per_rank`, as each
+    local worker does. `world_size` 1: no process group, no workers. Call `shutdown()` (or use
+    `with`) when done.
     """
+    local_ranks = world_size if local_ranks is None else local_ranks
     if threads_per_rank < 1:
         raise ValueError(f"tp: threads_per_rank must be >= 1, got {threads_per_rank}")
+    if not 1 <= local_ranks <= world_size:
+        raise ValueError(f"tp: local_ranks must be in 1..{world_size}, got {local_ranks}")
+    if local_ranks < world_size and listen is None:
+        raise ValueError("tp: ranks on other machines need `listen` (HOST:PORT they dial)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"tp: backend must be 'gloo' or 'nccl', got {backend!r}")
     torch.set_num_threads(threads_per_rank)
     folder = resolve_folder(target_path)  # converts a GGUF once, here, not in N processes at once
-    from transformers import AutoConfig
-
-    check_world_size(ModelConfig.from_hf(AutoConfig.from_pretrained(folder)), world_size)
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"tp: {world_size} ranks need {world_size} GPUs, found {torch.cuda.device_count()}")
+    deadline = time.monotonic() + start_timeout_s
+    cfg = tp_join.target_config(folder)
+    check_world_size(cfg, world_size)
+    if backend == "nccl" and torch.cuda.device_count() < local_ranks:
+        raise ValueError(f"tp: {local_ranks} local ranks need {local_ranks} GPUs, found {torch.cuda.device_count()}")
     device = _device(backend, 0)
     if world_size == 1:
         return TPModel(load_model(folder, dtype).to(device), device)
     if dist.is_initialized():
         raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
-    store = dist.TCPStore(ADDR, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=START_TIMEOUT_S))
-    workers = [_spawn(rank, world_size, store.port, folder, backend, threads_per_rank, dtype, timeout_s)
-               for rank in range(1, world_size)]
+    spec = GroupSpec(world_size, backend, str(dtype).removeprefix("torch."), timeout_s, tp_join.config_sha(cfg))
+    store, master, advertised = tp_join.open_store(listen, world_size, spec, start_timeout_s)
+    if local_ranks < world_size:
+        log.info("tp: rank 0 waits for ranks %d..%d to join at %s", local_ranks, world_size - 1, advertised)
+    workers = {rank: _spawn(rank, world_size, master, folder, threads_per_rank, start_timeout_s, rank)
+               for rank in range(1, local_ranks)}
     try:
         model = load_model(folder, dtype)  # while the workers load theirs
-        _wait_ready(store, workers, START_TIMEOUT_S)
-        group = _init_group(backend, store, 0, world_size, timeout_s)
-        model = apply_tp(model, 0, world_size, partial(tp_all_reduce, group=None)).to(device)
+        store.set("tp/weights", tp_join.weights_sha(model))
+        tp_join.wait_ready(store, world_size, workers, deadline, start_timeout_s, advertised)
+        group = _init_group(backend, store, 0, world_size, timeout_s, 0)
+        model = _shard(model, 0, world_size, device)
     except BaseException:
-        for p in workers:
+        for p in workers.values():
             p.kill()
             p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    return TPModel(model, device, workers, group, store, timeout_s)
+    return TPModel(model, device, list(workers.values()), group, store, timeout_s, world_size)
 
 
 # --- ranks 1..N-1 ---------------------------------------------------------------------------------
@@ -455,32 +466,73 @@ def serve(model: Transformer, group: dist.ProcessGroup | None, device: torch.dev
             raise AssertionError(f"tp: unknown op {op}")
 
 
-def run_worker(folder: Path, rank: int, world: int, port: int, backend: str, dtype: torch.dtype,
-               timeout_s: float) -> None:
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", ADDR), port, world, is_master=False,
-                          timeout=timedelta(seconds=START_TIMEOUT_S))
-    device = _device(backend, rank)
-    model = _load_shard(folder, rank, world, dtype, device)
-    store.set(f"ready/{rank}", "1")
-    group = _init_group(backend, store, rank, world, timeout_s)
+def run_worker(folder: Path, rank: int, world: int, master: tuple[str, int], local_rank: int = 0,
+               start_timeout_s: float = START_TIMEOUT_S) -> None:
+    """Join rank 0's group as `rank`, load this rank's shard, replay ops until STOP."""
+    store = tp_join.connect(*master, world, start_timeout_s)
+    try:
+        spec = tp_join.join(store, rank, world, folder)
+        if spec.backend == "nccl" and torch.cuda.device_count() <= local_rank:
+            raise JoinError(f"rank 0 uses NCCL, and local rank {local_rank} needs cuda:{local_rank}, but this "
+                            f"machine has {torch.cuda.device_count()} GPUs")
+        device = _device(spec.backend, local_rank)
+        model = load_model(folder, getattr(torch, spec.dtype))
+        tp_join.check_weights(store, model, folder)
+        model = _shard(model, rank, world, device)
+    except Exception as e:
+        tp_join.report_error(store, rank, e)
+        raise
+    store.set(f"tp/ready/{rank}", "1")
+    log.info("joined rank 0 at %s:%d as rank %d of %d (%s on %s)", *master, rank, world, spec.backend, device)
+    group = _init_group(spec.backend, store, rank, world, spec.timeout_s, local_rank)
     serve(model, group, device)
     dist.destroy_process_group()
 
 
+def _supervise(cfg: WorkerConfig, folder: Path) -> int:
+    """Run ranks cfg.rank .. cfg.rank + cfg.local_ranks - 1 as children until all stop (0) or
+    one fails (the rest are stopped too: the group cannot go on without it)."""
+    master = f"{cfg.master[0]}:{cfg.master[1]}"
+    procs = [_spawn(cfg.rank + i, cfg.world, master, folder, cfg.threads, cfg.start_timeout_s, cfg.local_rank + i)
+             for i in range(cfg.local_ranks)]
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    failed: list[tuple[int, int]] = []
+    while not stop.wait(0.2):
+        codes = [p.poll() for p in procs]
+        failed = [(cfg.rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed or all(c == 0 for c in codes):
+            break
+    if failed:
+        log.error("%s; stopping this machine's other ranks",
+                  ", ".join(f"rank {r} exited with code {c}" for r, c in failed))
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return 1 if failed or any(p.returncode != 0 for p in procs) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="A TP worker rank (1..N-1) of a verifier; started by start_tp. "
-                                "Reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.")
-    p.add_argument("--target", required=True, help="HF folder of the target (already resolved by rank 0)")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
-    args = p.parse_args(argv)
-    rank, world, port = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
-    logging.basicConfig(level=logging.INFO, format=f"tp rank {rank}: %(levelname)s %(message)s")
-    torch.set_num_threads(args.threads)
+    cfg = tp_join.parse_worker_args(argv)
+    last = cfg.rank + cfg.local_ranks - 1
+    logging.basicConfig(level=logging.INFO, format=f"tp rank {cfg.rank}{'' if last == cfg.rank else f'-{last}'}: "
+                        "%(levelname)s %(message)s")
+    torch.set_num_threads(cfg.threads)
     try:
-        run_worker(Path(args.target), rank, world, port, args.backend, getattr(torch, args.dtype), args.timeout_s)
+        folder = resolve_folder(cfg.target or bundled_target_path())  # a GGUF: once per machine, before the ranks
+        if cfg.local_ranks > 1:
+            return _supervise(cfg, folder)
+        run_worker(folder, cfg.rank, cfg.world, cfg.master, cfg.local_rank, cfg.start_timeout_s)
+    except JoinError as e:
+        log.error("cannot join rank 0's group at %s:%d: %s", *cfg.master, e)
+        return 1
     except Exception as e:  # rank 0 gone or stalled (closed sockets / timeout), or a bug: say so and exit
         log.error("exiting: %r", e)
         return 1
