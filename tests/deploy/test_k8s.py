@@ -100,6 +100,17 @@ def env_of(c: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in c.get("env", [])}
 
 
+def resolved_env(c: dict, outside: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's env values with $(VAR) references replaced as the kubelet does (from the
+    entries before, or `outside`: e.g. what the LWS controller injects)."""
+    env = dict(outside or {})
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
+                                    e["value"])
+    return env
+
+
 # --- schemas ------------------------------------------------------------------------------------
 
 
@@ -409,24 +420,48 @@ def test_gpu_overlays_place_drafters_and_verifiers_on_gpu_pools(overlay):
         v = spec["containers"][0]
         gpus = _resources(v)["nvidia.com/gpu"]
         assert gpus >= 2 and vols["dshm"]["emptyDir"]["medium"] == "Memory", where
-        if "workerTemplate" not in where:   # rank 0: TP over the GPUs of its pod
-            assert int(env_of(v)["SPECMESH_TP"]) == gpus, where
+        if "workerTemplate" not in where:   # rank 0: its pod's GPUs are its local ranks
+            env = resolved_env(v)
+            assert int(env.get("SPECMESH_TP_LOCAL_RANKS") or env["SPECMESH_TP"]) == gpus, where
 
 
-def test_multinode_overlay_replaces_the_statefulset_with_a_leaderworkerset():
+def test_multinode_overlay_replaces_the_statefulset_with_a_leaderworkerset(monkeypatch):
+    """The leader's rank 0 (verifier CLI) and each worker pod's ranks (tp_group CLI with --lws, as
+    the LWS controller sets LWS_*) make one group: ranks 0..N-1 exactly once, one rendezvous port."""
+    from verifier_service.config import parse_args as verifier_args
+    from verifier_service.tp_join import parse_hostport, parse_worker_args
+
     docs = render("gpu-multinode")
     assert not [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "specmesh-verifier"]
     lwt = one(docs, "LeaderWorkerSet", "specmesh-verifier")["spec"]["leaderWorkerTemplate"]
-    assert lwt["size"] >= 2 and lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    size = lwt["size"]
+    assert size >= 2 and lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
     leader, worker = lwt["leaderTemplate"]["spec"]["containers"][0], lwt["workerTemplate"]["spec"]["containers"][0]
-    le, we = env_of(leader), env_of(worker)
-    assert le["MASTER_PORT"] == we["MASTER_PORT"]
-    assert int(le["MASTER_PORT"]) in {p["containerPort"] for p in leader["ports"]}
-    assert we["MASTER_ADDR"] == "$(LWS_LEADER_ADDRESS)"
-    assert int(we["GPUS_PER_POD"]) == _resources(worker)["nvidia.com/gpu"] == _resources(leader)["nvidia.com/gpu"]
-    script = worker["args"][-1]
-    assert "verifier_service.tp_group" in script and "RANK=" in script and "WORLD_SIZE=" in script
+    gpus = int(resolved_env(worker)["GPUS_PER_POD"])
+    assert gpus == _resources(worker)["nvidia.com/gpu"] == _resources(leader)["nvidia.com/gpu"]
+
     assert leader["args"][:3] == ["python", "-m", "verifier_service"]
+    with monkeypatch.context() as m:
+        for k in [k for k in os.environ if k.startswith("SPECMESH_")]:
+            m.delenv(k)
+        for k, v in resolved_env(leader).items():
+            if k.startswith("SPECMESH_") and v is not None:
+                m.setenv(k, v)
+        rank0 = verifier_args(leader["args"][3:])
+    host, port = parse_hostport(rank0.tp_listen)
+    assert host == "0.0.0.0" and port in {p["containerPort"] for p in leader["ports"]}
+    assert rank0.tp == size * gpus and rank0.tp_local_ranks == gpus
+
+    assert worker["args"][:3] == ["python", "-m", "verifier_service.tp_group"]
+    ranks = list(range(rank0.tp_local_ranks))
+    for index in range(1, size):
+        lws = {"LWS_LEADER_ADDRESS": "specmesh-verifier-0.specmesh-verifier", "LWS_GROUP_SIZE": str(size),
+               "LWS_WORKER_INDEX": str(index)}
+        w = parse_worker_args(worker["args"][3:], resolved_env(worker, lws))
+        assert w.master == ("specmesh-verifier-0.specmesh-verifier", port) and w.world == rank0.tp
+        assert w.local_ranks == gpus and w.local_rank == 0  # its ranks on cuda:0..gpus-1
+        ranks += range(w.rank, w.rank + w.local_ranks)
+    assert ranks == list(range(rank0.tp)), "every rank exactly once"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
