@@ -44,8 +44,12 @@ def _progress(done: int, total: int, t0: float, what: str) -> None:
 
 
 def generate_chat(model, tokenizer, prompts: list[str], out_dir: Path, max_new_tokens: int,
-                  batch_size: int = 48) -> None:
-    """Greedy responses of the target to `prompts`, in shards under out_dir (resumable)."""
+                  batch_size: int = 48, max_batches: int = 0) -> int:
+    """Greedy responses of the target to `prompts`, in shards under out_dir (resumable).
+
+    Prompts are generated shortest first, `batch_size` at a time; `max_batches` > 0 stops after
+    that many batches (the shortest prompts). Returns the number of prompts covered.
+    """
     from transformers import LogitsProcessorList
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +60,8 @@ def generate_chat(model, tokenizer, prompts: list[str], out_dir: Path, max_new_t
                                            tokenize=False) for p in prompts]
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if max_batches > 0:
+        batches = batches[:max_batches]
     eos = tokenizer.eos_token_id
     t0 = time.perf_counter()
     for b, idx in enumerate(batches):
@@ -84,6 +90,7 @@ def generate_chat(model, tokenizer, prompts: list[str], out_dir: Path, max_new_t
         torch.save(examples, path)
         _progress(b + 1, len(batches), t0, "chat batches")
     print()
+    return sum(len(b) for b in batches)
 
 
 def corpus_texts(max_chars: int, seed: int = 0) -> list[str]:

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--gen-batch", type=int, default=48, help="prompts generated at once")
+    p.add_argument("--chat-batches", type=int, default=0,
+                   help="generate only this many batches of training prompts, shortest first (0 = all)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -59,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
     # 1. data
     train_prompts = prompts.prompts("train")[: args.prompts]
     held_prompts = prompts.prompts("heldout")[: args.heldout_prompts]
-    data.generate_chat(hf, tok, train_prompts, work / "train", args.max_new_tokens, args.gen_batch)
+    n_chat = data.generate_chat(hf, tok, train_prompts, work / "train", args.max_new_tokens, args.gen_batch,
+                                args.chat_batches)
     data.teacher_force_corpus(hf, tok, data.corpus_texts(args.corpus_chars, args.seed), work / "train")
     data.generate_chat(hf, tok, held_prompts, work / "heldout", min(args.max_new_tokens, 128), args.gen_batch)
     t_data = time.perf_counter() - t0
@@ -89,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
         "target": target.name,
         "target_sha256": embed["sha256"] if embed else None,
         "data": {
-            "chat": f"{len(train_prompts)} built-in chat prompts (specmesh.distill.prompts, train split: topics "
+            "chat": f"{n_chat} built-in chat prompts (the shortest of the first {len(train_prompts)}) (specmesh.distill.prompts, train split: topics "
                     f"disjoint from the held-out split), the target's greedy responses via its chat template, "
                     f"max {args.max_new_tokens} new tokens, top-{data.TOPK} teacher probabilities per position",
             "corpus": f"{args.corpus_chars} characters of Python standard-library sources and /usr/share/doc "
