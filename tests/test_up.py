@@ -14,6 +14,7 @@ import time
 import pytest
 
 from specmesh.cluster import ClusterSpec, crash_report, describe_exit
+from specmesh.drafters import bundled_drafter_path
 from specmesh.up import add_arguments, config_from_args
 from tests.up_proc import UpProcess, alive, in_groups
 
@@ -26,8 +27,10 @@ def parse(*argv: str):
 
 def test_flags_become_the_cluster_spec():
     cfg = parse("--drafters", "2", "--tp", "2", "--redis-url", "redis://127.0.0.1:1/0", "--port", "5", "--demo")
-    assert cfg.cluster == ClusterSpec(drafters=2, tp=2, redis_url="redis://127.0.0.1:1/0", port=5)
+    assert cfg.cluster == ClusterSpec(drafters=2, tp=2, redis_url="redis://127.0.0.1:1/0", port=5,
+                                      drafter=f"model:{bundled_drafter_path()}")  # auto: the shipped drafter
     assert cfg.demo and cfg.cluster.threads == 1
+    assert parse("--target", "/x.gguf").cluster.drafter == "ngram"  # auto with another target
 
 
 @pytest.mark.parametrize("argv, field", [
