@@ -232,8 +232,8 @@ def export(student: Student, vocab_map: torch.Tensor, target_hf, out: Path, embe
     if embed_source:
         spec["embeddings_from_target"] = embed_source
     cfg["specmesh"] = spec
-    cfg.pop("dtype", None)
-    cfg.pop("torch_dtype", None)
+    for key in ("dtype", "torch_dtype", "quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)  # the target's loading details (GGUF, cache path) are not the drafter's
     state = {}
     for k, v in student.backbone.state_dict().items():
         if k == "embed_tokens.weight" and embed_source:
