@@ -6,7 +6,7 @@ gRPC appends a turn to a session, so the client applies the chat template itself
 the tokens past what the session holds (the same prefix rule the router's HTTP API applies to a
 stateless chat). When the re-rendered chat does not extend what the session holds (a reply that
 re-tokenizes differently), the turn starts a new session with the whole context (`rebuilds`).
-HTTP has no speculation switch, so A/B runs over gRPC only.
+Over HTTP the switch is the router's `speculation` request extension ({"disabled": true}).
 """
 
 from __future__ import annotations
@@ -122,10 +122,9 @@ class HttpBackend:
                    rec: RequestRecord) -> None:
         import aiohttp
 
-        assert speculate, "the HTTP API has no speculation switch (A/B needs gRPC)"
         body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                "ignore_eos": sampling.ignore_eos}
+                "ignore_eos": sampling.ignore_eos, "speculation": {"disabled": not speculate}}
         if self.model:
             body["model"] = self.model
         if sampling.seed is not None:

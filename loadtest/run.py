@@ -83,8 +83,6 @@ class LoadtestConfig:
     def validate(self) -> None:
         if bool(self.grpc) == bool(self.target_url):
             raise ValueError("target: give exactly one of --grpc HOST:PORT and --target-url http://HOST:PORT")
-        if self.target_url and (self.ab or not self.speculate):
-            raise ValueError("ab: the HTTP API has no speculation switch; use --grpc for --ab / --no-speculation")
         self.workload.validate()
         if self.sampling.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.sampling.max_tokens}")

@@ -63,7 +63,8 @@ class RouterError(Exception):
         return STATUS[self.kind][1]
 
     def openai_body(self) -> dict:
-        return {"error": {"message": self.message, "type": STATUS[self.kind][2], "param": None, "code": self.code}}
+        param = self.code if self.kind is Kind.INVALID else None  # OpenAI: the offending parameter
+        return {"error": {"message": self.message, "type": STATUS[self.kind][2], "param": param, "code": self.code}}
 
 
 def client_fault(code: grpc.StatusCode) -> Kind | None:

@@ -6,7 +6,9 @@ OpenAI API is stateless: a request carries the whole context (prompt, or all mes
 with the tokenizer's chat template); with a session id (header `X-Session-ID`, else the `user`
 field) the router keeps the session on the verifier holding its KV cache and sends only the part
 past what the session already holds (see router.turns, `full_context`). Extensions: `top_k`,
-`ignore_eos`, `stop_token_ids` in requests; `specmesh.speculation` stats in responses.
+`ignore_eos`, `stop_token_ids` and `speculation` in requests (`{"disabled": true}` = plain decoding
+for this request, `budget`, `depth`: tree shape; the gRPC SpeculationOptions, for A/B tests over
+HTTP; openai clients pass it with `extra_body=`); `specmesh.speculation` stats in responses.
 Errors are OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}) with 400 / 401 /
 404 / 409 / 429 / 503; an error after a stream started is sent as an SSE `error` event.
 Not supported (400 naming the field): n > 1, best_of > 1, echo, logprobs, tools.
@@ -39,6 +41,22 @@ def _field(body: dict, name: str, types: type | tuple[type, ...], default=None):
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise invalid(name, f"wrong type {type(value).__name__}")
     return value
+
+
+SPECULATION_FIELDS = {"disabled": bool, "budget": int, "depth": int}
+
+
+def _speculation(body: dict) -> verifier_pb2.SpeculationOptions:
+    spec = _field(body, "speculation", dict, {})
+    for name, value in spec.items():
+        kind = SPECULATION_FIELDS.get(name)
+        if kind is None:
+            raise invalid(f"speculation.{name}", f"unknown; expected one of {sorted(SPECULATION_FIELDS)}")
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise invalid(f"speculation.{name}", f"wrong type {type(value).__name__}")
+        if kind is int and not 0 <= value <= 64:
+            raise invalid(f"speculation.{name}", "must be in [0, 64] (0 = the server's default)")
+    return verifier_pb2.SpeculationOptions(**spec)
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -117,7 +135,7 @@ class OpenAIApi:
                 raise invalid("seed", "must be >= 0")
             sampling.seed = seed
         template = verifier_pb2.GenerateRequest(sampling=sampling, stop=stops, stop_token_ids=stop_ids,
-                                                ignore_eos=ignore_eos)
+                                                ignore_eos=ignore_eos, speculation=_speculation(body))
         return TurnRequest(session_id=session_id, ids=ids, max_tokens=max_tokens,
                            stops=r.stops(stops, stop_ids, ignore_eos), template=template, full_context=True,
                            key_id=key)

@@ -71,16 +71,20 @@ def test_grpc_closed_loop_ab_on_and_off(cluster, tmp_path):
     assert drafter["specmesh_drafter_trees_total"] > 0
 
 
-def test_http_sessions_reuse_the_kv_cache_and_scrape_metrics(cluster, tmp_path):
+def test_http_sessions_reuse_the_kv_cache_ab_and_scrape_metrics(cluster, tmp_path):
     _, http_address, _ = cluster
     r = loadtest(tmp_path, "--target-url", f"http://{http_address}", "--num-prompts", "1", "--rounds", "2",
-                 "--max-tokens", "8")
+                 "--max-tokens", "8", "--ab")
     (run,) = r["runs"]
-    arm = run["arms"]["spec"]
-    assert arm["completed"] == 2 and arm["failed"] == 0
-    first, second = arm["input_lens"]
-    assert second > first + 8  # the context grew by the reply and a new question
-    assert arm["cached_prompt_tokens"] >= first  # the second turn reused the first turn's KV cache
-    assert arm["speculation"]["steps"] > 0
+    for name in ("spec", "nospec"):
+        arm = run["arms"][name]
+        assert arm["completed"] == 2 and arm["failed"] == 0
+        first, second = arm["input_lens"]
+        assert second > first + 8  # the context grew by the reply and a new question
+        assert arm["cached_prompt_tokens"] >= first  # the second turn reused the first turn's KV cache
+    # the router's `speculation` extension switched the B arm to plain decoding
+    assert run["arms"]["spec"]["speculation"]["drafted_tokens"] > 0
+    assert run["arms"]["nospec"]["speculation"]["drafted_tokens"] == 0
+    assert run["ab"]["identical_outputs"]["same"] == run["ab"]["identical_outputs"]["pairs"] == 2
     (scraped,) = r["server_metrics"]
-    assert scraped["delta"]['specmesh_router_requests_total{api="http",outcome="ok"}'] == 2
+    assert scraped["delta"]['specmesh_router_requests_total{api="http",outcome="ok"}'] == 4

@@ -190,8 +190,8 @@ def test_flags_levels_and_guards():
     rates.validate()
     assert rates.levels == (Level(4, 0.5, 0.5), Level(4, 2.0, 0.5))
     assert rates.scrape_urls == ("http://localhost:8000/metrics",)
-    for argv, msg in [(("--target-url", "http://127.0.0.1:1", "--ab"), "speculation switch"),
-                      (("--grpc", "10.1.2.3:50050"), "loopback"),
+    parse("--target-url", "http://127.0.0.1:1", "--ab").validate()  # A/B over HTTP: the speculation extension
+    for argv, msg in [(("--grpc", "10.1.2.3:50050"), "loopback"),
                       (("--target-url", "http://127.0.0.1:1", "--scrape", "http://1.2.3.4/metrics"), "loopback"),
                       ((), "exactly one"),
                       (("--grpc", "127.0.0.1:5", "--num-prompts", "3000", "--ab"), "at most"),

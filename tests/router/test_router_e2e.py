@@ -316,6 +316,18 @@ def test_openai_client_completions_and_chat(tok, cluster):
                                           stream_options={"include_usage": True}))
     assert "".join(s.choices[0].text for s in streamed if s.choices) == ref_text
     assert streamed[-1].usage.completion_tokens == len(ref_ids)
+    # the speculation extension (A/B over HTTP): off = plain decoding, same text; bad values name the field
+    on = oa.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                               extra_body={"speculation": {"budget": 6, "depth": 3}})
+    off = oa.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                extra_body={"speculation": {"disabled": True}})
+    assert on.choices[0].text == off.choices[0].text == ref_text  # (drafts: tests/loadtest, A/B over HTTP)
+    assert off.model_extra["specmesh"]["speculation"]["drafted_tokens"] == 0
+    for bad, param in (({"disabled": "yes"}, "speculation.disabled"), ({"budget": 999}, "speculation.budget"),
+                       ({"tree": 1}, "speculation.tree"), ("off", "speculation")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.completions.create(model=model, prompt=prompt, max_tokens=4, extra_body={"speculation": bad})
+        assert e.value.body["param"] == param, e.value.body
 
     question = [{"role": "user", "content": "What is 2 + 2?"}]
     chat_ref_ids, chat_ref = direct(verifiers[1].address, chat_ids(tok, "What is 2 + 2?"), 24)
