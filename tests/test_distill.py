@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -63,8 +62,7 @@ def test_distillation_learns_and_export_loads_into_the_runtime(tiny, tmp_path):
     vocab_map = train.choose_vocab(examples, 48, VOCAB, always=[1])
     assert len(vocab_map) == 48 and 1 in vocab_map.tolist()
     student = train.build_student(hf, 1, vocab_map)
-    local_of = torch.full((VOCAB,), -1, dtype=torch.long)
-    local_of[vocab_map] = torch.arange(48)
+    local_of = train.local_index(vocab_map, VOCAB)
     before = train.evaluate(student, examples[:6], vocab_map, local_of)
     tc = train.TrainConfig(layers=1, draft_vocab=48, lr=3e-3, batch_tokens=256, minutes=5, max_epochs=6,
                            warmup_steps=3, checkpoint_every=5)

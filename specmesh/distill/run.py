@@ -78,8 +78,7 @@ def main(args: argparse.Namespace) -> int:
     student = train.build_student(hf, args.layers, vocab_map).to(device)
     cfg = train.TrainConfig(layers=args.layers, draft_vocab=args.draft_vocab, lr=args.lr,
                             batch_tokens=args.batch_tokens, minutes=args.minutes, seed=args.seed)
-    local_of = torch.full((hf.config.vocab_size,), -1, dtype=torch.long)
-    local_of[vocab_map] = torch.arange(len(vocab_map))
+    local_of = train.local_index(vocab_map, hf.config.vocab_size)
     before = train.evaluate(student.cpu(), held_ex, vocab_map, local_of)
     student.to(device)
     result = train.train(student, train_ex, held_ex, vocab_map, hf.config.vocab_size, cfg, work / "checkpoint.pt")

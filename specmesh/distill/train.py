@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specmesh.loader import EMBED_KEY, VOCAB_MAP_KEY
+from specmesh.loader import VOCAB_MAP_KEY
 
 
 @dataclass
@@ -54,6 +54,13 @@ def choose_vocab(examples: list[dict], size: int, vocab_size: int, always: list[
         if t not in keep:
             keep.append(t)
     return torch.tensor(sorted(keep[:size]), dtype=torch.long)
+
+
+def local_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size]: token id -> its row in the drafter's head, -1 for tokens outside it."""
+    local_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    local_of[vocab_map] = torch.arange(len(vocab_map))
+    return local_of
 
 
 class Student(torch.nn.Module):
@@ -155,8 +162,7 @@ def evaluate(student: Student, examples: list[dict], vocab_map: torch.Tensor, lo
 
 def train(student: Student, train_ex: list[dict], eval_ex: list[dict], vocab_map: torch.Tensor,
           vocab_size: int, cfg: TrainConfig, ckpt: Path, log=print) -> dict:
-    local_of = torch.full((vocab_size,), -1, dtype=torch.long)
-    local_of[vocab_map] = torch.arange(len(vocab_map))
+    local_of = local_index(vocab_map, vocab_size)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     params = [p for p in student.parameters() if p.requires_grad]
@@ -202,7 +208,7 @@ def train(student: Student, train_ex: list[dict], eval_ex: list[dict], vocab_map
         state["seconds"] = time.perf_counter() - t_start
         eta = min(budget - state["seconds"], (total_steps - step - 1) * state["seconds"] / (step + 1))
         print(f"\rstep {step + 1}/{total_steps} loss {loss.item():.3f} lr {lr:.1e} "
-              f"epoch {1 + step // max(len(epochs[0]), 1)} {tokens_seen / max(state['seconds'] - elapsed + elapsed, 1e-9):.0f} tok/s "
+              f"epoch {1 + step // max(len(epochs[0]), 1)} {tokens_seen / max(state['seconds'], 1e-9):.0f} tok/s "
               f"eta {eta / 60:.1f} min", end="", flush=True)
         if state["step"] % cfg.checkpoint_every == 0:
             torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
@@ -244,4 +250,3 @@ def export(student: Student, vocab_map: torch.Tensor, target_hf, out: Path, embe
     save_file(state, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     (out / "recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
-    assert EMBED_KEY.startswith("model.")
