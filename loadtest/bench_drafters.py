@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_engine import Row, _commit, add_stats, expected_tokens_per_step
+from specmesh import kernels
 from specmesh.drafters.base import Drafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.model import Transformer
@@ -394,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     report["meta"] = {
         "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+        "small_m_kernel": kernels.active() or kernels.reason(),
         "pair": args.pair, "target": Path(target_path).name,
         "drafters": {c.name: (draft_path if c.model is not None else "ngram (prompt/suffix lookup)")
                      for c in candidates},

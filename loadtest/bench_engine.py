@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh import kernels
+
 PROMPTS = [
     "Explain in three sentences why the sky is blue.",
     "Write a Python function that checks whether a string is a palindrome, with a docstring.",
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or
             platform.machine(), "torch_threads": torch.get_num_threads(), "max_tokens": n, "depth": DEPTH,
+            "small_m_kernel": kernels.active() or kernels.reason(),
             "prompts": len(prompts), "target": target_path.split("/")[-1],
             "note": "ratios from one run, configurations interleaved per prompt; EOS ignored"}
     with open(args.out, "w") as f:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh import kernels
 from specmesh.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -91,15 +92,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products go through `specmesh.kernels` (same weights, same names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.head_dim
         self.head_dim = d
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
 
     def forward(
         self,
@@ -129,9 +137,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -159,9 +167,10 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
         super().__init__()
+        kernels.load()  # once per process: builds or loads the small-M CPU kernel, else torch's GEMM
         self.config = cfg
         self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim / 2]
