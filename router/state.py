@@ -2,7 +2,8 @@
 
 No router holds state that another needs: a session alternating between routers sees one binding,
 one history. Keys (`P` = the prefix, default `specmesh:`; session ids and addresses are used as
-they are — Redis keys are binary-safe; session ids are at most 256 characters):
+they are — Redis keys are binary-safe; session ids are at most 256 characters; with API keys
+configured `{session}` is `<key id>/<session id>`, router.turns.scoped_session):
 
 - `P ep:{address}` (string, ~200 B, TTL = heartbeat TTL, default 6 s, beat every 2 s): JSON
   Endpoint {address, role, model, capacity, active_sessions, kv_tokens}.

@@ -44,7 +44,7 @@ from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_SESSION_ID = 256  # as the verifier's
+MAX_SESSION_ID = 256  # the verifier allows 320: room for scoped_session's key prefix
 BUSY_BACKOFF_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 MAX_STOP_STRINGS = 16
 CHANNEL_OPTIONS = [
@@ -58,6 +58,15 @@ CHANNEL_OPTIONS = [
 def key_id(api_key: str) -> str:
     """The id quotas count an API key under (and Redis keys name): never the key itself."""
     return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def scoped_session(key: str, session_id: str) -> str:
+    """The name a session has in Redis and on verifiers: a client's session ids are its own.
+
+    With API keys configured, session "s" of key A and session "s" of key B are two sessions
+    ("<key id A>/s", "<key id B>/s"): a key can neither read nor extend another key's context.
+    Without keys (key "") the id is used as is. One-shot requests ("") stay one-shot."""
+    return f"{key}/{session_id}" if key and session_id else session_id
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,7 @@ class _History(Enum):
 class _Turn:
     """Mutable progress of one turn across attempts."""
     req: TurnRequest
+    sid: str                             # scoped_session(key, session id): "" = one-shot
     base: list[int]                      # history the verifier must hold before the new tokens
     new: list[int]                       # this turn's new tokens
     text: TextStream                     # its `tokens` are the tokens streamed so far
@@ -192,10 +202,10 @@ class Router:
             await asyncio.sleep(delay)
 
     async def _run_once(self, req: TurnRequest) -> AsyncIterator[Delta | Done]:
-        sid = req.session_id
+        sid = scoped_session(req.key_id, req.session_id)
         binding, history = await self.state.session(sid) if sid else (None, [])
         # 1. what the verifier must hold before generating: `base` (kept history) + `new`
-        t = _Turn(req, base=history, new=req.ids, text=TextStream(self.decode, req.stops.strings),
+        t = _Turn(req, sid, base=history, new=req.ids, text=TextStream(self.decode, req.stops.strings),
                   history=_History.OK if not sid else _History.NONE)  # one-shot turns keep nothing
         if req.full_context and req.ids[: len(history)] != history:
             t.base, t.replace = [], True
@@ -257,7 +267,7 @@ class Router:
     async def _attempt(self, t: _Turn, binding: Binding, resumed: bool) -> AsyncIterator[Delta | Done]:
         """Stream the turn from one verifier until it completes (t.done), the router saw a stop
         (t.finish), or the verifier failed (t.excluded grows)."""
-        req, sid = t.req, t.req.session_id
+        req, sid = t.req, t.sid
         addrs = (binding.verifier, binding.drafter)
         upstream = self._upstream(t, binding)
         await self._add_load(addrs, 1, t.context)
@@ -311,14 +321,14 @@ class Router:
     def _upstream(self, t: _Turn, binding: Binding) -> verifier_pb2.GenerateRequest:
         up = verifier_pb2.GenerateRequest()
         up.CopyFrom(t.req.template)
-        up.session_id = t.req.session_id
+        up.session_id = t.sid
         up.drafter_address = binding.drafter
         up.max_tokens = t.req.max_tokens - len(t.produced)
         if t.produced:  # resume mid-turn: everything so far is history, nothing new
             up.history.ids.extend(t.base + t.new + t.produced)
             up.token_ids.SetInParent()
         else:
-            if t.req.session_id:
+            if t.sid:
                 up.history.SetInParent()
                 up.history.ids.extend(t.base)
             up.token_ids.ids.extend(t.new)
@@ -360,10 +370,10 @@ class Router:
         """Write tokens to the session's history. A Redis failure does not stop the stream: the
         turn goes on unrecorded and the whole history is rewritten when it ends."""
         try:
-            await self.state.write_history(t.req.session_id, ids, replace)
+            await self.state.write_history(t.sid, ids, replace)
             t.history = _History.OK
         except StateUnavailable as e:
-            log.error("session %r: history not recorded (%s)", t.req.session_id, e)
+            log.error("session %r: history not recorded (%s)", t.sid, e)
             t.history = _History.DIRTY
 
     async def _rewrite(self, sid: str, ids: list[int]) -> None:
@@ -402,9 +412,10 @@ class Router:
         eps = [e for e in await self.state.endpoints() if not e.model or e.model == self.model_name]
         return [(self.model_name, sum(e.role == Role.VERIFIER for e in eps), sum(e.role == Role.DRAFTER for e in eps))]
 
-    async def close_session(self, sid: str, key_id: str = "") -> bool:
+    async def close_session(self, session_id: str, key_id: str = "") -> bool:
         if key_id and self.cfg.max_sessions_per_key:
-            await self.state.release_session(key_id, sid)
+            await self.state.release_session(key_id, session_id)
+        sid = scoped_session(key_id, session_id)
         binding = await self.state.forget(sid)
         if binding is None:
             return False

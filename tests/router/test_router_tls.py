@@ -26,7 +26,7 @@ from tests.router.test_router_e2e import KEYS, http_address, wait_registered
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-K_GRPC, K_HTTP, K_OTHER = "key-grpc", "key-http", "key-other"
+K_GRPC, K_HTTP, K_OTHER, K_A, K_B = "key-grpc", "key-http", "key-other", "key-a", "key-b"
 LIMIT = 2
 PROMPT = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"  # repetitive: the ngram drafter has drafts to offer
 
@@ -47,6 +47,7 @@ def cluster(redis_server, pki):
     with futures.ThreadPoolExecutor(3) as pool:
         mtls = pool.submit(start, "router", "--http-port", "0", "--redis-url", url, "--max-tokens", "16",
                            "--api-key", K_GRPC, "--api-key", K_HTTP, "--api-key", K_OTHER,
+                           "--api-key", K_A, "--api-key", K_B,
                            "--max-sessions-per-key", str(LIMIT), *public, "--tls-client-ca", pki.ca, *dial)
         plain_tls = pool.submit(start, "router", "--http-port", "0", "--redis-url", url, *public, *dial)
         drafter = start("drafter_service", "--drafter", "ngram", *serve)
@@ -151,6 +152,23 @@ def test_sessions_per_key_grpc(pki, cluster, redis_server):
             metadata=(("authorization", f"Bearer {K_GRPC}"),), timeout=60))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ("x-should-retry", "false") in tuple(e.value.trailing_metadata())
+
+
+def test_session_ids_are_scoped_per_api_key(pki, cluster, redis_server):
+    """Key B naming key A's session id gets a fresh session: it neither sees nor extends A's context."""
+    secret = "The password is pineapple. Repeat the password:"
+    with mtls_client(pki, cluster, K_A) as a, mtls_client(pki, cluster, K_B) as b:
+        first = a.complete(secret, max_tokens=4, session_id="shared")
+        other = b.complete(" Hi", max_tokens=4, session_id="shared")
+        assert other.usage.cached_prompt_tokens == 0
+        assert other.usage.prompt_tokens < first.usage.prompt_tokens  # only its own " Hi"
+        assert b.close_session("shared")  # B's own "shared": A's must survive it
+        again = a.complete(" Again:", max_tokens=2, session_id="shared")
+        assert again.usage.cached_prompt_tokens >= first.usage.prompt_tokens  # A's context is intact
+    r = redis.Redis.from_url(redis_server.url)
+    held = {k.decode() for k in r.scan_iter(match="*shared*")}
+    r.close()
+    assert any(key_id(K_A) + "/shared" in k for k in held) and not any(k.endswith(":shared") for k in held), held
 
 
 def exhausted_http(pki, p) -> int:
