@@ -12,10 +12,12 @@ Over HTTP the switch is the router's `speculation` request extension ({"disabled
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from dataclasses import asdict, dataclass, field
 
 from loadtest.metrics import RequestRecord
+from specmesh.tls import ClientTls
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,11 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 class GrpcBackend:
     name = "grpc"
 
-    def __init__(self, address: str, tokenizer, api_key: str | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(self, address: str, tokenizer, api_key: str | None = None, timeout_s: float = 300.0,
+                 tls: ClientTls = ClientTls()) -> None:
         from specmesh.client import AsyncClient
 
-        self.client = AsyncClient(address, api_key=api_key, timeout=timeout_s, retries=0)
+        self.client = AsyncClient(address, api_key=api_key, timeout=timeout_s, retries=0, **tls.sdk_kwargs())
         self.tokenizer = tokenizer
 
     async def send(self, state: SessionState, messages: list[dict], sampling: Sampling, speculate: bool,
@@ -109,14 +112,15 @@ class GrpcBackend:
 class HttpBackend:
     name = "http"
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0, model: str = "") -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0, model: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         import aiohttp  # here, not at import: `specmesh --help` builds this module's flags
 
         self.url = base_url.rstrip("/") + "/v1/chat/completions"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                             connector=aiohttp.TCPConnector(limit=0))
+                                             connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context or True))
 
     async def send(self, state: SessionState, messages: list[dict], sampling: Sampling, speculate: bool,
                    rec: RequestRecord) -> None:

@@ -31,6 +31,8 @@ from loadtest.metrics import DEFAULT_PERCENTILES, RequestRecord, Slo, ab_compari
 from loadtest.progress import Progress
 from loadtest.report import markdown, table
 from loadtest.workload import SPEC_OFF, SPEC_ON, WorkloadSpec, ab_jobs, arrival_offsets, build_units, messages_for
+from specmesh import tls
+from specmesh.tls import ClientTls
 
 MAX_REQUESTS = 5000
 
@@ -51,6 +53,7 @@ class LoadtestConfig:
     grpc: str = ""                   # router gRPC HOST:PORT, or
     target_url: str = ""             # router HTTP base URL (http://HOST:PORT)
     api_key: str | None = None
+    tls: ClientTls = field(default_factory=ClientTls)  # TLS / mTLS to the router (both APIs, scrapes)
     model: str = ""                  # HTTP `model` field ("" = the router's)
     tokenizer: str | None = None     # gRPC: the chat template's tokenizer (None = bundled SmolLM2)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -172,7 +175,7 @@ async def run_level(backend, cfg: LoadtestConfig, level: Level, tag: str, deadli
 
 async def run_async(cfg: LoadtestConfig) -> dict:
     backend = await _backend(cfg)
-    before = {u: scrape.try_fetch(u) for u in cfg.scrape_urls}
+    before = {u: scrape.try_fetch(u, cfg.tls.ssl_context()) for u in cfg.scrape_urls}
     deadline = time.monotonic() + cfg.max_duration_s
     progress = Progress(cfg.total_requests(), enabled=cfg.progress)
     runs = []
@@ -186,7 +189,7 @@ async def run_async(cfg: LoadtestConfig) -> dict:
     finally:
         progress.close()
         await backend.close()
-    after = {u: scrape.try_fetch(u) for u in cfg.scrape_urls}
+    after = {u: scrape.try_fetch(u, cfg.tls.ssl_context()) for u in cfg.scrape_urls}
     return {
         "backend": "grpc" if cfg.grpc else "http",
         "target": cfg.grpc or cfg.target_url,
@@ -216,11 +219,11 @@ def run_result(cfg: LoadtestConfig, level: Level, records: list[RequestRecord], 
 
 async def _backend(cfg: LoadtestConfig):
     if cfg.target_url:
-        return HttpBackend(cfg.target_url, cfg.api_key, cfg.request_timeout_s, cfg.model)
+        return HttpBackend(cfg.target_url, cfg.api_key, cfg.request_timeout_s, cfg.model, cfg.tls.ssl_context())
     from specmesh.loader import bundled_target_path, load_tokenizer
 
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or bundled_target_path())
-    return GrpcBackend(cfg.grpc, tokenizer, cfg.api_key, cfg.request_timeout_s)
+    return GrpcBackend(cfg.grpc, tokenizer, cfg.api_key, cfg.request_timeout_s, cfg.tls)
 
 
 def _config_dict(cfg: LoadtestConfig) -> dict:
@@ -265,6 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="", help="HTTP: the model name to send (default: the router's)")
     t.add_argument("--tokenizer", default=None, help="gRPC: tokenizer for the chat template (default: bundled)")
     t.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target")
+    tls.add_client_args(p)
     w = p.add_argument_group("workload")
     d = WorkloadSpec()
     w.add_argument("--num-prompts", type=int, default=d.units, help="prompts (or sessions) per arm and level")
@@ -305,7 +309,8 @@ def config_from_args(a: argparse.Namespace) -> LoadtestConfig:
         raise ValueError("levels: sweep --max-concurrency or --request-rate, not both")
     levels = tuple(Level(c, r, a.burstiness) for c in conc for r in rates)
     return LoadtestConfig(
-        grpc=a.grpc, target_url=a.target_url, api_key=a.api_key, model=a.model, tokenizer=a.tokenizer,
+        grpc=a.grpc, target_url=a.target_url, api_key=a.api_key, tls=tls.client_from_args(a), model=a.model,
+        tokenizer=a.tokenizer,
         workload=WorkloadSpec(units=a.num_prompts, rounds=a.rounds, long_fraction=a.long_fraction,
                               long_words=a.long_words, seed=a.seed),
         sampling=Sampling(a.max_tokens, a.temperature, a.ignore_eos),

@@ -5,6 +5,7 @@ timestamps and exemplars are ignored."""
 from __future__ import annotations
 
 import math
+import ssl
 import urllib.error
 import urllib.request
 
@@ -43,16 +44,16 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return out
 
 
-def fetch(url: str) -> dict[str, float]:
-    """The samples of `url` (raises OSError / ValueError)."""
-    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:
+def fetch(url: str, context: ssl.SSLContext | None = None) -> dict[str, float]:
+    """The samples of `url` (raises OSError / ValueError); `context` for https URLs."""
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S, context=context) as resp:
         return parse_prometheus(resp.read().decode("utf-8", "replace"))
 
 
-def try_fetch(url: str) -> dict[str, float] | str:
+def try_fetch(url: str, context: ssl.SSLContext | None = None) -> dict[str, float] | str:
     """Samples, or the error as text (a scrape never fails a load test)."""
     try:
-        return fetch(url)
+        return fetch(url, context)
     except (OSError, ValueError, urllib.error.URLError) as e:
         return f"{type(e).__name__}: {e}"
 

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--endpoint", default=None, help="HOST:PORT of a router: generate there through the SDK")
     g.add_argument("--api-key", default=os.environ.get("SPECMESH_API_KEY"))
     g.add_argument("--session-id", default="", help="with --endpoint: a session kept across calls")
+    from specmesh import tls  # here: importing grpc is not free, and most commands do not need it
+
+    tls.add_client_args(g)
     _add_generation_flags(g)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -83,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_generate_remote(args: argparse.Namespace) -> int:
     """Same flags through a router: --chat templates locally (tokenizer only) and sends token ids;
     --drafter none turns speculation off, other drafters are the cluster's."""
+    from specmesh import tls
     from specmesh.client import Client
     from specmesh.loader import bundled_target_path, load_tokenizer
     from specmesh.runtime import encode_prompt
@@ -90,7 +94,7 @@ def _cmd_generate_remote(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = encode_prompt(load_tokenizer(args.target or bundled_target_path()), args.prompt, chat=True)
-    with Client(args.endpoint, api_key=args.api_key) as client:
+    with Client(args.endpoint, api_key=args.api_key, **tls.client_from_args(args).sdk_kwargs()) as client:
         stream = client.generate(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, session_id=args.session_id, speculate=args.drafter != "none",

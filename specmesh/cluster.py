@@ -56,6 +56,12 @@ class ClusterSpec:
     http_port: int = 0              # router HTTP (0 = a free port, -1 = off)
     threads: int = 1                # torch threads per service (per TP rank)
     metrics: bool = True            # verifier and drafters export Prometheus metrics on free ports
+    # TLS (all three or none): every service presents tls_cert; channels between services are
+    # mTLS (each trusts tls_ca and presents tls_cert); the router's public ports are TLS and
+    # clients verify them with tls_ca (the demo does). The certificate must name 127.0.0.1.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def validate(self) -> None:
         if self.drafters < 0:
@@ -65,6 +71,12 @@ class ClusterSpec:
         if self.drafter.split(":", 1)[0] not in ("ngram", "model"):
             raise ValueError(f"drafter: ngram or model:PATH, got {self.drafter!r} (oracle needs a reference: "
                              "start drafter_service by hand)")
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError("tls_cert, tls_key, tls_ca: give all three or none")
+        for name, path in zip(("tls_cert", "tls_key", "tls_ca"), tls):
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file {path}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url: redis://HOST:PORT/DB, got {self.redis_url!r}")
 
@@ -139,6 +151,15 @@ def crash_report(name: str, pid: int, code: int | None, lines: list[str]) -> str
                                                     for line in lines)
 
 
+def _tls_flags(s: ClusterSpec) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(router's public ports, internal servers, channels between services) flags; empty without TLS."""
+    if not s.tls_cert:
+        return (), (), ()
+    public = ("--tls-cert", s.tls_cert, "--tls-key", s.tls_key)
+    return public, (*public, "--tls-client-ca", s.tls_ca), ("--peer-ca", s.tls_ca, "--peer-cert", s.tls_cert,
+                                                          "--peer-key", s.tls_key)
+
+
 class Cluster:
     """Start with `start(should_stop)`, then `watch()` periodically, `stop()` at the end."""
 
@@ -171,17 +192,20 @@ class Cluster:
             self.redis_url = self.redis.url
         # 2. the router, the drafters and the verifier load side by side
         target = ["--target", s.target] if s.target else []
+        public, serve, dial = _tls_flags(s)
         router = self._spawn("router", "router", "--port", str(s.port), "--http-port", str(s.http_port),
-                             "--redis-url", self.redis_url, *(["--tokenizer", s.target] if s.target else []))
+                             "--redis-url", self.redis_url, *(["--tokenizer", s.target] if s.target else []),
+                             *public, *dial)
         drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
-                                "--threads", str(s.threads), metrics=s.metrics) for i in range(s.drafters)]
+                                "--threads", str(s.threads), *serve, metrics=s.metrics) for i in range(s.drafters)]
         verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
-                               "--threads", str(s.threads), "--redis-url", self.redis_url, *target,
+                               "--threads", str(s.threads), "--redis-url", self.redis_url, *target, *serve, *dial,
                                metrics=s.metrics)
         # 3. each drafter registers through its sidecar once it listens
         self._wait([router, *drafters], should_stop)
         sidecars = [self._spawn(f"{d.name}-register", "router.register", "--redis-url", self.redis_url,
-                                "--role", "drafter", "--address", d.address, ready=HEARTBEATING) for d in drafters]
+                                "--role", "drafter", "--address", d.address, *dial, ready=HEARTBEATING)
+                    for d in drafters]
         self._wait([*sidecars, verifier], should_stop)
         # 4. ready = the router sees the verifier and every drafter
         self.grpc_address = router.address
@@ -223,7 +247,7 @@ class Cluster:
 
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         seen = None
-        with Client(self.grpc_address, timeout=5, retries=0) as client:
+        with Client(self.grpc_address, timeout=5, retries=0, root_ca=self.spec.tls_ca or None) as client:
             while True:
                 try:
                     (seen,) = client.list_models()

@@ -12,6 +12,10 @@ Two settings, each off by default (plaintext, exactly as without this module):
   (one certificate for a fleet whose pods are dialled by IP). Flags `--peer-ca`, `--peer-cert`,
   `--peer-key`, `--peer-server-name`; env SPECMESH_PEER_CA / _CERT / _KEY / _SERVER_NAME.
 
+- `ClientTls` — a client of the router's public ports (`specmesh generate --endpoint`,
+  `specmesh loadtest`): `--tls` (system roots) or `--root-ca`, plus `--client-cert` +
+  `--client-key` for a router requiring mTLS; env SPECMESH_ROOT_CA / _CLIENT_CERT / _CLIENT_KEY.
+
 A transport edge, like specmesh.client: it imports grpc and ssl and knows nothing of the engine.
 Files are read when credentials are built (at start): a bad path fails the start, naming the flag.
 """
@@ -147,7 +151,46 @@ def client_ssl_context(ca: str | None = None, cert: str | None = None, key: str 
     return ctx
 
 
+@dataclass(frozen=True)
+class ClientTls:
+    tls: bool = False
+    root_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tls or self.root_ca or self.client_cert or self.client_key)
+
+    def sdk_kwargs(self) -> dict:
+        """Keyword arguments of specmesh.client.Client / AsyncClient."""
+        return {"tls": self.tls, "root_ca": self.root_ca or None, "client_cert": self.client_cert or None,
+                "client_key": self.client_key or None}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For an HTTPS client (None: plaintext, or system roots when only `tls`)."""
+        if bool(self.client_cert) != bool(self.client_key):
+            raise ValueError("client_cert, client_key: give both or neither")
+        if not (self.root_ca or self.client_cert):
+            return None
+        return client_ssl_context(self.root_ca or None, self.client_cert or None, self.client_key or None)
+
+
 # -- flags ---------------------------------------------------------------------------------------
+def add_client_args(p: argparse.ArgumentParser, env: Env = os.environ.get) -> None:
+    g = p.add_argument_group("TLS to the router (default: plaintext)")
+    g.add_argument("--tls", action="store_true", help="TLS, trusting the system roots")
+    g.add_argument("--root-ca", default=env("SPECMESH_ROOT_CA", ""), help="PEM CA the router's certificate chains "
+                   "to; turns TLS on")
+    g.add_argument("--client-cert", default=env("SPECMESH_CLIENT_CERT", ""),
+                   help="PEM client certificate, for a router that requires mTLS")
+    g.add_argument("--client-key", default=env("SPECMESH_CLIENT_KEY", ""), help="PEM private key of --client-cert")
+
+
+def client_from_args(a: argparse.Namespace) -> ClientTls:
+    return ClientTls(a.tls, a.root_ca, a.client_cert, a.client_key)
+
+
 def add_server_args(p: argparse.ArgumentParser, env: Env = os.environ.get) -> None:
     g = p.add_argument_group("TLS of the listening port(s) (default: plaintext)")
     g.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""), help="PEM certificate chain; turns TLS on")

@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="router HTTP port (default: a free one; -1 = no HTTP API)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per service and TP rank (default 1)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints on the verifier and drafters")
+    p.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""),
+                   help="PEM certificate (naming 127.0.0.1) every service presents; with --tls-key and --tls-ca: "
+                        "TLS on the router's ports, mTLS between services")
+    p.add_argument("--tls-key", default=env("SPECMESH_TLS_KEY", ""), help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=env("SPECMESH_TLS_CA", ""), help="PEM CA that signed --tls-cert")
     p.add_argument("--demo", action="store_true", help="run one streamed chat generation, print stats, stop")
     p.add_argument("--prompt", default=UpConfig.prompt, help="--demo: the user message")
     p.add_argument("--max-tokens", type=int, default=UpConfig.max_tokens, help="--demo: tokens to generate")
@@ -58,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> UpConfig:
     spec = ClusterSpec(drafters=a.drafters, tp=a.tp, redis_url=a.redis_url, target=a.target,
                        drafter=resolve_auto(a.drafter, a.target),
-                       port=a.port, http_port=a.http_port, threads=a.threads, metrics=not a.no_metrics)
+                       port=a.port, http_port=a.http_port, threads=a.threads, metrics=not a.no_metrics,
+                       tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca)
     spec.validate()
     if a.max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {a.max_tokens}")
@@ -87,7 +93,8 @@ def print_endpoints(cluster: Cluster) -> None:
         what = {"redis": "embedded", "verifier": f"tp={s.tp}"}.get(name, "")
         if name == "router":
             address = f"grpc {cluster.grpc_address}"
-            what = f"http http://{cluster.http_address} (OpenAI API, /metrics)" if cluster.http_address else ""
+            scheme = "https" if s.tls_cert else "http"
+            what = f"http {scheme}://{cluster.http_address} (OpenAI API, /metrics)" if cluster.http_address else ""
         elif name.endswith("-register"):
             what = f"registers {name.removesuffix('-register')} in Redis"
         elif name.startswith("drafter-"):
@@ -96,7 +103,7 @@ def print_endpoints(cluster: Cluster) -> None:
         print(f"  {name:<20} {address:<32} pid {pid:<8} {what.strip()}".rstrip(), flush=True)
     if cluster.redis is None:
         print(f"  {'redis':<20} {cluster.redis_url} (external)", flush=True)
-    http = f"http://{cluster.http_address}" if cluster.http_address else "off"
+    http = f"{'https' if s.tls_cert else 'http'}://{cluster.http_address}" if cluster.http_address else "off"
     print(f"specmesh ready: grpc {cluster.grpc_address} http {http}", flush=True)
 
 
@@ -122,7 +129,7 @@ def run_demo(cfg: UpConfig, grpc_address: str, stop: threading.Event) -> None:
     ids = encode_prompt(tok, cfg.prompt, chat=True)
     print(f"\n>>> {cfg.prompt}\n", flush=True)
     t0, ttft = time.perf_counter(), None
-    with Client(grpc_address, timeout=DEMO_TIMEOUT_S) as client, \
+    with Client(grpc_address, timeout=DEMO_TIMEOUT_S, root_ca=cfg.cluster.tls_ca or None) as client, \
             client.generate(ids, max_tokens=cfg.max_tokens) as stream:  # one-shot: nothing kept in Redis
         for chunk in stream:
             ttft = ttft if ttft is not None else time.perf_counter() - t0

@@ -121,3 +121,26 @@ def test_flags_and_environment(pki):
     assert tls.server_from_args(a) == tls.ServerTls(pki.server_cert, pki.server_key, pki.ca)
     assert tls.peer_from_args(a) == tls.PeerTls(ca=pki.ca)
     assert a == {}
+
+
+def test_client_flags_for_the_cli_and_the_loadtest(pki):
+    """`specmesh generate --endpoint` and `specmesh loadtest`: --tls / --root-ca / --client-cert+key."""
+    import argparse
+
+    from loadtest.run import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    tls.add_client_args(p, env=lambda name, default: {"SPECMESH_ROOT_CA": pki.ca}.get(name, default))
+    c = tls.client_from_args(p.parse_args(["--client-cert", pki.client_cert, "--client-key", pki.client_key]))
+    assert c == tls.ClientTls(False, pki.ca, pki.client_cert, pki.client_key) and c.enabled
+    assert c.sdk_kwargs() == {"tls": False, "root_ca": pki.ca, "client_cert": pki.client_cert,
+                              "client_key": pki.client_key}
+    assert isinstance(c.ssl_context(), ssl.SSLContext)
+    assert tls.ClientTls().ssl_context() is None and not tls.ClientTls().enabled
+    assert tls.ClientTls(tls=True).ssl_context() is None  # system roots: the HTTP client's default
+    with pytest.raises(ValueError, match="client_cert, client_key"):
+        tls.ClientTls(client_cert=pki.client_cert).ssl_context()
+    lp = argparse.ArgumentParser()
+    add_arguments(lp)
+    cfg = config_from_args(lp.parse_args(["--target-url", "https://127.0.0.1:8000", "--root-ca", pki.ca]))
+    assert cfg.tls == tls.ClientTls(root_ca=pki.ca)

@@ -16,6 +16,7 @@ import pytest
 from specmesh.cluster import ClusterSpec, crash_report, describe_exit
 from specmesh.drafters import bundled_drafter_path
 from specmesh.up import add_arguments, config_from_args
+from tests.certs import make_pki
 from tests.up_proc import UpProcess, alive, in_groups
 
 
@@ -36,6 +37,8 @@ def test_flags_become_the_cluster_spec():
 @pytest.mark.parametrize("argv, field", [
     (("--tp", "0"), "tp"), (("--drafters", "-1"), "drafters"), (("--drafter", "oracle:0.8"), "drafter"),
     (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"),
+    (("--tls-cert", __file__), "tls_cert, tls_key, tls_ca"),
+    (("--tls-cert", "/nonexistent.pem", "--tls-key", __file__, "--tls-ca", __file__), "tls_cert"),
 ])
 def test_bad_flags_are_refused_naming_the_setting(argv, field):
     with pytest.raises(ValueError, match=field):
@@ -68,6 +71,25 @@ def test_demo_streams_text_prints_stats_and_exits_0():
     spec = r"^speculation: \d+ verify steps, \d+ drafted, \d+ accepted \(acceptance [\d.]+"
     assert re.search(spec, out, re.MULTILINE)
     assert not in_groups(set(up.pids().values()))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_demo_with_tls_between_every_service(tmp_path):
+    """--tls-*: the router serves TLS, services talk mTLS (drafter health checks included), and
+    the demo client verifies the router with the CA: the generation runs with speculation."""
+    pki = make_pki(tmp_path)
+    up = UpProcess("--demo", "--max-tokens", "12", "--prompt", "Name three primary colors.",
+                   "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-ca", pki.ca)
+    try:
+        code = up.wait(timeout=240)
+    finally:
+        up.kill()
+    out = "\n".join(up.out)
+    assert code == 0, up.output()
+    assert re.search(r"^specmesh ready: grpc 127.0.0.1:\d+ http https://127.0.0.1:\d+$", out, re.MULTILINE), out
+    drafted = re.search(r"^speculation: \d+ verify steps, (\d+) drafted", out, re.MULTILINE)
+    assert drafted and int(drafted.group(1)) > 0, up.output()  # the verifier reached the drafter over mTLS
 
 
 @pytest.mark.e2e
