@@ -14,7 +14,7 @@ This module knows nothing about files, tokenizers, sampling or transport (see `l
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class Segment:
+    """One session's part of a (batched) forward: its new tokens and where they go."""
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cache: KVCache
+    start: int  # slot of the first token
+    mask: torch.Tensor | None = None  # [T, start + T] bool; None = causal
+    logits_rows: torch.Tensor | slice | None = field(default_factory=lambda: slice(None))  # None = no logits
+
+
 class Linear(nn.Linear):
     """nn.Linear whose few-row products go through `specmesh.kernels` (same weights, same names)."""
 
@@ -111,13 +122,11 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden]: the rows of every segment, one after another
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,  # [T, head_dim]
-        cache: KVCache,
+        segments: list[Segment],
         layer: int,
-        start: int,
-        mask: torch.Tensor | None,  # [T, start + T] bool, or None for one token
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q = self.q_proj(x).view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
@@ -125,13 +134,18 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        cache.write(layer, start, k, v)
-        keys, values = cache.view(layer, start + t)  # [H_kv, S, D] each
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, enable_gqa=q.shape[0] != keys.shape[0],
-        )  # [1, H, T, D]
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, -1))
+        outs, row = [], 0
+        for s in segments:  # projections are shared by the batch; attention is per cache
+            n = s.tokens.shape[0]
+            s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
+            keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
+            outs.append(F.scaled_dot_product_attention(
+                q[:, row:row + n].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=s.mask, enable_gqa=q.shape[0] != keys.shape[0],
+            )[0])  # [H, n, D]
+            row += n
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [H, T, D]
+        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
 
 
 class MLP(nn.Module):
@@ -191,7 +205,6 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,  # [T] int64
@@ -202,25 +215,45 @@ class Transformer(nn.Module):
         logits_rows: torch.Tensor | slice | None = slice(None),
     ) -> torch.Tensor | None:
         """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]."""
-        t = tokens.shape[0]
+        return self.forward_batch([Segment(tokens, positions, cache, start, mask, logits_rows)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """One forward over several sessions' tokens (each segment with its own cache): the weights
+        are read once for all rows; attention stays per segment. Logits per segment, in order."""
         window = self.config.sliding_window
-        if window is not None and start + t > window:
-            # Sliding-window attention is not implemented: refuse rather than silently differ.
-            raise ValueError(f"prompt: context of {start + t} tokens exceeds this model's attention window {window}")
-        cache.ensure_capacity(start + t)
-        if mask is None and t > 1:
-            mask = causal_mask(start, t, tokens.device)
+        for s in segments:
+            t = s.tokens.shape[0]
+            if window is not None and s.start + t > window:
+                # Sliding-window attention is not implemented: refuse rather than silently differ.
+                raise ValueError(f"prompt: context of {s.start + t} tokens exceeds this model's attention window "
+                                 f"{window}")
+            s.cache.ensure_capacity(s.start + t)
+            if s.mask is None and t > 1:
+                s.mask = causal_mask(s.start, t, s.tokens.device)
+        tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
+        positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self._rope(positions, self.lm_head.weight.dtype)
         h = self.model.embed_tokens(tokens)  # [T, hidden]
         reduce = self.tp_all_reduce
         for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn(layer.input_layernorm(h), cos, sin, cache, i, start, mask)
+            a = layer.self_attn(layer.input_layernorm(h), cos, sin, segments, i)
             h = h + (reduce(a) if reduce else a)
             m = layer.mlp(layer.post_attention_layernorm(h))
             h = h + (reduce(m) if reduce else m)
-        if logits_rows is None:
-            return None
-        logits = self.lm_head(self.model.norm(h[logits_rows])).float()
+        picked, row = [], 0  # the rows each segment wants logits for; one lm_head product for all
+        for s in segments:
+            n = s.tokens.shape[0]
+            picked.append(None if s.logits_rows is None else h[row:row + n][s.logits_rows])
+            row += n
+        wanted = [p for p in picked if p is not None]
+        if not wanted:
+            return [None] * len(segments)
+        logits = iter(self._logits(torch.cat(wanted)).split([p.shape[0] for p in wanted]))
+        return [None if p is None else next(logits) for p in picked]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(h)).float()
         if self.vocab_map is None:
             return logits  # [R, vocab]
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))

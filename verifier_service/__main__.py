@@ -37,12 +37,18 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     else:
         model = load_model(path)
+        if cfg.batch:
+            from specmesh.batching import BatchingTarget
+
+            model = BatchingTarget(model)
     from verifier_service.metrics import MeteredVerifier, start_exporter
     verifier = (MeteredVerifier if cfg.metrics_port else Verifier)(cfg, model, tokenizer)
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads})", flush=True)
+    batching = "on" if cfg.batch and cfg.tp == 1 else "off"
+    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads}, "
+          f"batching {batching})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
         from router.register import advertised_address, model_name, start_heartbeat

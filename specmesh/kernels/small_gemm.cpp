@@ -1,6 +1,6 @@
 // specmesh small-M linear: y[M, N] = x[M, K] @ w[N, K]^T in fp32 on AVX2/FMA CPUs.
 //
-// Speculative verification runs the target on a handful of rows (a tree of 2-12 nodes). On a
+// Speculative verification runs the target on a handful of rows (a tree of 2-16 nodes). On a
 // memory-bound CPU that should cost about one row: every weight is read once either way. This
 // kernel streams the weights in blocks (4 rows against up to 3 input rows, or 2 rows against up
 // to 6: at most 12 accumulators, so one pass over the weights for M <= 6; larger M re-reads the

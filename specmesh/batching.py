@@ -1,0 +1,119 @@
+"""Batched verification across sessions: concurrent callers' forwards run as one forward.
+
+`BatchingTarget` wraps a `Transformer` and is used exactly like one by `TargetSession` (call,
+`new_cache`, `config`). A call queues a `Segment` (its tokens, its cache) and waits. Whoever finds
+no batch running becomes the runner: it takes what is queued — up to `max_rows` rows (a request
+larger than that runs alone) — runs `Transformer.forward_batch`, hands every caller its logits,
+and goes on until its own request is done; then another waiting caller takes over. There is no
+waiting window: a lone session runs as fast as unbatched, and sessions that arrive while a batch
+runs form the next one, so N concurrent sessions share one read of the weights per step (on a
+memory-bound CPU, 3 sessions' 5-node trees in one forward cost about 1.3 steps, not 3).
+
+Outputs do not change: attention stays per session, and `max_rows` defaults to the small-M
+kernel's range, in which a row's linear-layer result does not depend on the other rows (see
+`specmesh.kernels`). A forward that fails in a batch (a bad request) is retried alone, so one
+session's error never reaches another. The same threads, no extra thread to own or stop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh import kernels
+from specmesh.kv_cache import KVCache
+from specmesh.model import Segment, Transformer
+
+
+@dataclass
+class _Request:
+    segment: Segment
+    done: bool = False
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.segment.tokens.shape[0]
+
+
+@dataclass
+class BatchStats:
+    forwards: int = 0          # batched forwards run
+    segments: int = 0          # requests served by them
+    max_segments: int = 0      # the largest batch
+    sizes: dict[int, int] = field(default_factory=dict)  # segments per forward -> how many forwards
+
+
+class BatchingTarget:
+    def __init__(self, model: Transformer, max_rows: int = kernels.SMALL_M_MAX) -> None:
+        self.model, self.config, self.max_rows = model, model.config, max_rows
+        self.stats = BatchStats()
+        self._queue: deque[_Request] = deque()
+        self._cv = threading.Condition()
+        self._running = False
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return self.model.new_cache(capacity)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
+                 mask: torch.Tensor | None = None,
+                 logits_rows: torch.Tensor | slice | None = slice(None)) -> torch.Tensor | None:
+        """`Transformer.forward`, possibly run in one forward with other sessions' calls."""
+        req = _Request(Segment(tokens, positions, cache, start, mask, logits_rows))
+        with self._cv:
+            self._queue.append(req)
+            while self._running and not req.done:
+                self._cv.wait()
+            runner = not req.done
+            self._running |= runner  # the runner runs batches until its own request is done
+        if runner:
+            try:
+                while not req.done:
+                    with self._cv:
+                        batch = self._take()
+                    self._run(batch)
+                    with self._cv:
+                        self._cv.notify_all()
+            finally:
+                with self._cv:
+                    self._running = False
+                    self._cv.notify_all()
+        if req.error is not None:
+            raise req.error
+        return req.logits
+
+    forward = __call__
+
+    def _take(self) -> list[_Request]:
+        """Requests from the head of the queue while they fit in `max_rows` (the head always)."""
+        batch = [self._queue.popleft()]
+        rows = batch[0].rows
+        while self._queue and rows <= self.max_rows and rows + self._queue[0].rows <= self.max_rows:
+            batch.append(self._queue.popleft())
+            rows += batch[-1].rows
+        return batch
+
+    def _run(self, batch: list[_Request]) -> None:
+        try:
+            outs = self.model.forward_batch([r.segment for r in batch])
+        except Exception as e:  # noqa: BLE001 - handed to the caller(s), never swallowed
+            if len(batch) == 1:
+                batch[0].error = e
+            else:  # whose error is it? each alone: the others are not failed by it
+                for r in batch:
+                    self._run([r])
+                return
+        else:
+            for r, out in zip(batch, outs):
+                r.logits = out
+            s = self.stats
+            s.forwards += 1
+            s.segments += len(batch)
+            s.max_segments = max(s.max_segments, len(batch))
+            s.sizes[len(batch)] = s.sizes.get(len(batch), 0) + 1
+        for r in batch:
+            r.done = True
