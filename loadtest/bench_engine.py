@@ -83,6 +83,20 @@ def _commit() -> str:
         return "unknown"
 
 
+def base_meta() -> dict:
+    """What every benchmark records about its run: the code, when, the machine, threads, the kernel."""
+    return {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+            "small_m_kernel": kernels.active() or kernels.reason()}
+
+
+def save(path: str, meta: dict, results: list[dict], table: str) -> None:
+    """The JSON result file, then the README-ready table on stdout."""
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_engine.json")
@@ -173,14 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                       "hardware_bound": round(seq / v, 3)}
         results.append(d)
 
-    meta = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or
-            platform.machine(), "torch_threads": torch.get_num_threads(), "max_tokens": n, "depth": DEPTH,
-            "small_m_kernel": kernels.active() or kernels.reason(),
-            "prompts": len(prompts), "target": target_path.split("/")[-1],
-            "note": "ratios from one run, configurations interleaved per prompt; EOS ignored"}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    print(format_table(meta, results))
+    meta = base_meta() | {"max_tokens": n, "depth": DEPTH, "prompts": len(prompts),
+                          "target": target_path.split("/")[-1],
+                          "note": "ratios from one run, configurations interleaved per prompt; EOS ignored"}
+    save(args.out, meta, results, format_table(meta, results))
     return 0
 
 
