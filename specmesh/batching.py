@@ -18,6 +18,7 @@ session's error never reaches another. The same threads, no extra thread to own 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,13 +49,17 @@ class BatchStats:
     sizes: dict[int, int] = field(default_factory=dict)  # segments per forward -> how many forwards
 
 
+ACTIVE_S = 0.5  # a session that asked for a forward this recently is expected to ask again
+
+
 class BatchingTarget:
-    def __init__(self, model: Transformer, max_rows: int = kernels.SMALL_M_MAX) -> None:
-        self.model, self.config, self.max_rows = model, model.config, max_rows
+    def __init__(self, model: Transformer, max_rows: int = kernels.SMALL_M_MAX, gather_s: float = 0.01) -> None:
+        self.model, self.config, self.max_rows, self.gather_s = model, model.config, max_rows, gather_s
         self.stats = BatchStats()
         self._queue: deque[_Request] = deque()
         self._cv = threading.Condition()
         self._running = False
+        self._seen: dict[int, float] = {}  # id(cache) -> when it last asked for a forward
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return self.model.new_cache(capacity)
@@ -66,6 +71,8 @@ class BatchingTarget:
         req = _Request(Segment(tokens, positions, cache, start, mask, logits_rows))
         with self._cv:
             self._queue.append(req)
+            self._seen[id(cache)] = time.monotonic()
+            self._cv.notify_all()  # a runner gathering a batch may be waiting for this request
             while self._running and not req.done:
                 self._cv.wait()
             runner = not req.done
@@ -74,6 +81,7 @@ class BatchingTarget:
             try:
                 while not req.done:
                     with self._cv:
+                        self._gather()
                         batch = self._take()
                     self._run(batch)
                     with self._cv:
@@ -87,6 +95,18 @@ class BatchingTarget:
         return req.logits
 
     forward = __call__
+
+    def _gather(self) -> None:
+        """Wait up to `gather_s` for the other recently active sessions' next requests (they are
+        busy between forwards: sampling, commit, streaming), so concurrent sessions step together
+        instead of taking turns. A lone session never waits."""
+        now = time.monotonic()
+        for key in [k for k, t in self._seen.items() if now - t > ACTIVE_S]:
+            del self._seen[key]
+        deadline = now + self.gather_s
+        while (len(self._queue) < len(self._seen) and sum(r.rows for r in self._queue) < self.max_rows
+               and (left := deadline - time.monotonic()) > 0):
+            self._cv.wait(left)
 
     def _take(self) -> list[_Request]:
         """Requests from the head of the queue while they fit in `max_rows` (the head always)."""

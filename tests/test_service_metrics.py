@@ -114,3 +114,27 @@ def test_metered_drafter_counts_trees_and_sessions():
     assert s[p + "trees_total"] == 1 and s[p + "tree_nodes_total"] == len(tree)
     assert s[p + "sessions_opened_total"] == 1 and s[p + "sessions_closed_total"] == 1
     assert s[p + "draft_seconds_count"] == 1 and s[p + "sessions"] == 1
+
+
+def test_verifier_exports_batching_only_when_batched():
+    from types import SimpleNamespace
+
+    from specmesh.batching import BatchingTarget
+    from specmesh.model import ModelConfig, Transformer
+    from verifier_service.config import VerifierConfig
+    from verifier_service.metrics import MeteredVerifier
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      attention_bias=False, max_position_embeddings=64)
+    model = Transformer(cfg, torch.ones(4)).eval()
+    tokenizer = SimpleNamespace(eos_token_id=None)
+    plain = parse_prometheus(MeteredVerifier(VerifierConfig(), model, tokenizer).metrics.render())
+    assert not any("batch" in k for k in plain)
+    batched = BatchingTarget(model)
+    v = MeteredVerifier(VerifierConfig(), batched, tokenizer)
+    for _ in range(2):
+        cache = batched.new_cache(8)
+        batched(torch.tensor([1, 2]), torch.arange(2), cache, 0)
+    s = parse_prometheus(v.metrics.render())
+    assert s["specmesh_verifier_batch_forwards"] == 2 and s["specmesh_verifier_batch_sessions_per_forward"] == 1

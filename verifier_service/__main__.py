@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     else:
         model = load_model(path)
-        if cfg.batch:
+        if cfg.batching == "on" or (cfg.batching == "auto" and cfg.threads > 1):
             from specmesh.batching import BatchingTarget
 
             model = BatchingTarget(model)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    batching = "on" if cfg.batch and cfg.tp == 1 else "off"
+    batching = "on" if cfg.tp == 1 and hasattr(model, "stats") else "off"
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads}, "
           f"batching {batching})", flush=True)
     beat = None

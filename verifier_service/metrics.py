@@ -1,6 +1,7 @@
 """Prometheus metrics of a verifier (`--metrics-port P`, 0 = off): turns by finish reason, tokens,
 speculation per verify step (accepted length, tree size, time waiting for the draft, verify time),
-acceptance rate per turn, TTFT and TPOT, sessions held and turns in flight.
+acceptance rate per turn, TTFT and TPOT, sessions held and turns in flight; with batched
+verification (specmesh.batching), forwards run and mean sessions per forward.
 
 `MeteredVerifier` is a Verifier whose `run` is observed from outside: each chunk of a turn is one
 verify step's new tokens, and the turn's cumulative stats (`Outcome.result.stats`, updated in place
@@ -133,6 +134,14 @@ class MeteredVerifier(Verifier):
     def __init__(self, cfg: VerifierConfig, model, tokenizer) -> None:
         super().__init__(cfg, model, tokenizer)
         self.metrics = VerifierMetrics(lambda: len(self.sessions))
+        batching = getattr(model, "stats", None)  # specmesh.batching.BatchingTarget (TP=1, the default)
+        if batching is not None:
+            r = self.metrics.registry
+            r.add(Gauge(PREFIX + "batch_forwards", "Target forwards run by batched verification (since start).",
+                        lambda: batching.forwards))
+            r.add(Gauge(PREFIX + "batch_sessions_per_forward", "Mean sessions' requests per batched forward "
+                        "(since start; > 1 when concurrent sessions share forwards).",
+                        lambda: batching.segments / max(batching.forwards, 1)))
 
     def run(self, turn: Turn, is_active: Callable[[], bool], out: Outcome) -> Iterator[Chunk]:
         return self.metrics.observe(super().run(turn, is_active, out), out)

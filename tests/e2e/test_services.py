@@ -67,7 +67,9 @@ def oracle(reference_file):
 
 @pytest.fixture(scope="module")
 def verifier():
-    p = start("verifier_service", "--threads", "1", "--draft-deadline-s", "5")
+    # batched verification on (auto would leave it off at one thread): every TP=1 test below runs
+    # through it, the 8 concurrent sessions included
+    p = start("verifier_service", "--threads", "1", "--draft-deadline-s", "5", "--batching", "on")
     yield p
     p.stop()
 

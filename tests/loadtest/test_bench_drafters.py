@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 from loadtest.bench_drafters import BenchConfig, Candidate, Peer, bench, format_table, shapes, tree_depth
@@ -22,12 +21,7 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_la
 DEPTH = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _pair(seed: int):
