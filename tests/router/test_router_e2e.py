@@ -20,6 +20,7 @@ import redis
 
 from router.policies import Binding
 from router.state import Keys, binding_from_json, binding_to_json, unpack_tokens
+from router.turns import key_id, scoped_session
 from specmesh.client import AsyncClient, Client, SpecmeshError
 from specmesh.loader import bundled_target_path, load_tokenizer
 from specmesh.v1 import router_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -104,12 +105,17 @@ def direct(address: str, ids: list[int], max_tokens: int, **kw) -> tuple[list[in
     return out, "".join(text)
 
 
+def rkey(sid: str) -> str:
+    """The session's name in Redis: the routers here have an API key, so ids are scoped to it."""
+    return scoped_session(key_id(KEY), sid)
+
+
 def binding(r: redis.Redis, sid: str) -> Binding:
-    return binding_from_json(r.get(KEYS.binding(sid)))
+    return binding_from_json(r.get(KEYS.binding(rkey(sid))))
 
 
 def history(r: redis.Redis, sid: str) -> list[int]:
-    return unpack_tokens(r.get(KEYS.history(sid)))
+    return unpack_tokens(r.get(KEYS.history(rkey(sid))))
 
 
 def test_greedy_output_identical_to_the_verifier(tok, cluster, clients):
@@ -137,6 +143,26 @@ def test_affinity_over_turns_keeps_the_verifier_and_its_kv_cache(tok, cluster, c
         assert len(history(r, sid)) == context
 
 
+def test_long_context_sessions_spread_over_verifiers(tok, cluster, clients, r):
+    """A new session goes to the verifier with the fewest queued context tokens: while a ~500-token
+    session is being served, the next long one lands on the other verifier (not on the same)."""
+    doc = " ".join(f"item {i} is {'red' if i % 3 else 'blue'};" for i in range(70))
+    ids_a, ids_b = chat_ids(tok, "Count the blue items. " + doc), chat_ids(tok, "Count the red items. " + doc)
+    assert 400 < len(ids_a) <= 600 and 400 < len(ids_b) <= 600
+    with futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(clients[0].complete, ids_a, max_tokens=48, session_id="long-a")
+        deadline = time.monotonic() + 60
+        while not r.exists(KEYS.binding(rkey("long-a"))):
+            assert time.monotonic() < deadline and not first.done()
+            time.sleep(0.02)
+        time.sleep(0.3)  # its turn is in flight: prefilling 500 tokens takes seconds here
+        assert not first.done()
+        clients[1].complete(ids_b, max_tokens=2, session_id="long-b")
+        first.result()
+    assert binding(r, "long-a").verifier != binding(r, "long-b").verifier
+    assert {binding(r, s).verifier for s in ("long-a", "long-b")} == {v.address for v in cluster[0]}
+
+
 def test_two_routers_share_one_session(tok, cluster, clients, r):
     verifiers, _ = cluster
     sid, all_ids = "two-routers-1", []
@@ -153,9 +179,9 @@ def test_two_routers_share_one_session(tok, cluster, clients, r):
 
 def test_close_session_forgets_it_everywhere(tok, clients, r):
     clients[0].complete(tok.encode("Hello there.", add_special_tokens=False), max_tokens=2, session_id="close-1")
-    assert r.exists(KEYS.binding("close-1")) and r.exists(KEYS.history("close-1"))
+    assert r.exists(KEYS.binding(rkey("close-1"))) and r.exists(KEYS.history(rkey("close-1")))
     assert clients[1].close_session("close-1") is True
-    assert not r.exists(KEYS.binding("close-1")) and not r.exists(KEYS.history("close-1"))
+    assert not r.exists(KEYS.binding(rkey("close-1"))) and not r.exists(KEYS.history(rkey("close-1")))
     assert clients[0].close_session("close-1") is False
 
 
@@ -167,7 +193,7 @@ def test_kill9_of_the_bound_verifier_mid_stream_loses_and_duplicates_nothing(tok
     try:
         wait_registered(r, [victim.address])
         sid = "failover-1"
-        r.set(KEYS.binding(sid), binding_to_json(Binding(victim.address)), ex=600)  # bound to the victim
+        r.set(KEYS.binding(rkey(sid)), binding_to_json(Binding(victim.address)), ex=600)  # bound to the victim
         got, after_kill = [], 0
         stream = clients[0].generate(ids, max_tokens=40, ignore_eos=True, session_id=sid)
         for chunk in stream:
@@ -195,7 +221,7 @@ def test_dead_bound_verifier_is_retried_before_the_first_token(tok, cluster, cli
     r.set(KEYS.endpoint(dead), json.dumps({"address": dead, "role": "verifier"}), ex=600)
     r.zadd(KEYS.index, {dead: 0})
     sid = "retry-1"
-    r.set(KEYS.binding(sid), binding_to_json(Binding(dead)), ex=600)
+    r.set(KEYS.binding(rkey(sid)), binding_to_json(Binding(dead)), ex=600)
     ids = chat_ids(tok, "Name three primary colors.")
     out = clients[1].complete(ids, max_tokens=12, session_id=sid)
     assert out.token_ids == direct(verifiers[0].address, ids, 12)[0]
