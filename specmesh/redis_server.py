@@ -42,15 +42,18 @@ class RedisServer:
     `start()` again after `stop()` reuses the port (an empty Redis: nothing is persisted).
     `own_session`: start it in a new session, so a terminal's Ctrl-C reaches only its parent."""
 
-    def __init__(self, binary: str, workdir: Path, port: int = 0, own_session: bool = False) -> None:
+    def __init__(self, binary: str, workdir: Path, port: int = 0, own_session: bool = False,
+                 password: str = "") -> None:
         self.binary, self.workdir = binary, Path(workdir)
         self.port = port or free_port()
         self.own_session = own_session
+        self.password = password  # "" = no AUTH; else `requirepass` (in the URL below)
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -59,15 +62,21 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-             "--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", str(self.log_path)],
+             "--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", str(self.log_path),
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=self.own_session)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+                    s.sendall(auth + b"PING\r\n")
+                    reply = b""
+                    while reply.count(b"\r\n") < (2 if auth else 1) and (chunk := s.recv(64)):
+                        reply += chunk
+                    if reply.endswith(b"+PONG\r\n"):
                         return self
+                time.sleep(0.05)  # up, not ready (e.g. -LOADING)
             except OSError:
                 time.sleep(0.05)
         self.stop()

@@ -222,3 +222,20 @@ def test_sidecar_heartbeats_only_while_the_endpoint_is_serving(redis_server):
     finally:
         hb.stop()
         server.stop(0)
+
+
+def test_password_protected_redis(tmp_path):
+    """`--redis-url redis://:PASSWORD@host:port/db`: works with the password; without it, or with a
+    wrong one, every operation is a clear StateUnavailable naming the authentication error."""
+    server = RedisServer(redis_server_binary(), tmp_path, password="s3cret-pw").start()
+    try:
+        async def body(s: RouterState):
+            await s.register(Endpoint("a:1", Role.VERIFIER), ttl_s=30)
+            return [e.address for e in await s.endpoints()]
+        assert run(body, server.url) == ["a:1"]
+        for url in (f"redis://127.0.0.1:{server.port}/0", f"redis://:wrong@127.0.0.1:{server.port}/0"):
+            with pytest.raises(StateUnavailable) as e:
+                run(body, url)
+            assert "redis: unavailable" in str(e.value) and "Authentication" in str(e.value), str(e.value)
+    finally:
+        server.stop()
