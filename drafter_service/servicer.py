@@ -7,9 +7,10 @@ Protocol, as this service implements it:
 - CommitStep{step} must name the step of the tree last sent for the session. It appends
   accepted + [bonus] and answers with the tree for step + 1, rooted at the new position;
   predrafted=true when it came from the predraft (pipelining hit).
-- ExtendSession{tokens} appends the tokens (a follow-up turn; the tree last sent is dropped
-  unverified) and answers with a fresh tree for step = last step + 1: steps count the trees
-  sent for a session, 0, 1, 2, ..., whatever caused them.
+- ExtendSession{tokens, keep} keeps the first `keep` committed tokens (0 = all; the verifier
+  ended its last turn inside a verified path), appends the tokens (a follow-up turn; the tree
+  last sent is dropped unverified) and answers with a fresh tree for step = last step + 1:
+  steps count the trees sent for a session, 0, 1, 2, ..., whatever caused them.
 - CloseSession drops the session; no answer (unknown ids included).
 - Any bad request for a session (unknown or evicted id, wrong step, token id outside the
   vocabulary (ngram: any id >= 0), budget outside [1, 64], depth outside [1, 16], bad sampling
@@ -110,7 +111,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 session = self._session(sid)
                 _check_shape(e.budget, e.depth)
                 self._check_tokens("tokens", e.tokens)
-                step = session.extend(list(e.tokens), e.budget, e.depth)
+                step = session.extend(list(e.tokens), e.budget, e.depth, e.keep)
             else:
                 raise RequestError("kind: one of open, extend, commit or close is required")
         except ValueError as exc:

@@ -19,6 +19,7 @@ import uuid
 import grpc
 
 from specmesh.convert import sampling_to_pb, tree_from_pb
+from specmesh.drafters.base import common_prefix
 from specmesh.engine import SpecConfig
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
@@ -76,6 +77,9 @@ class DrafterLink:
 
     def commit(self, session_id: str, msg: pb.CommitStep) -> None:
         self._send.put(pb.DrafterRequest(session_id=session_id, commit=msg))
+
+    def extend(self, session_id: str, msg: pb.ExtendSession) -> None:
+        self._send.put(pb.DrafterRequest(session_id=session_id, extend=msg))
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
@@ -137,23 +141,59 @@ class LinkPool:
 
 
 class RemoteDrafts:
-    """TreeSource for one turn of one session, drafted by a remote drafter."""
+    """TreeSource for one session, drafted by a remote drafter. It outlives a turn: the verifier's
+    session keeps it, and the next turn `resume`s it with an ExtendSession carrying only the new
+    tokens (the drafter keeps its cache), or opens a fresh one when it cannot."""
 
     def __init__(self, link: DrafterLink, session_id: str, context: list[int], params: SamplingParams,
                  spec: SpecConfig, pipelined: bool, deadline_s: float) -> None:
-        # a fresh drafter-side key per turn: answers still in flight for an earlier turn never mix in
-        self.link, self.sid, self.spec, self.deadline_s = link, f"{session_id}/{uuid.uuid4().hex[:12]}", spec, deadline_s
-        self.step = 0
+        self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
+        self.params, self.pipelined = params, pipelined
         self.usable = True
         self.timeouts = 0
         self.predraft_hits = 0
-        link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(params),
-                                             budget=spec.budget, depth=spec.depth, pipelined=pipelined))
+        self._open(list(context))
+
+    def _open(self, context: list[int]) -> None:
+        # a fresh drafter-side key per drafter session: answers in flight for an earlier one never mix in
+        self.sid = f"{self.session_id}/{uuid.uuid4().hex[:12]}"
+        self.context = context  # the committed tokens the drafter holds
+        self.step = 0
+        self.resumed = False
+        self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
+                                                  budget=self.spec.budget, depth=self.spec.depth,
+                                                  pipelined=self.pipelined))
+
+    def resume(self, link: DrafterLink | None, tokens: list[int], params: SamplingParams, spec: SpecConfig,
+               pipelined: bool, deadline_s: float) -> bool:
+        """Go on for a new turn whose committed tokens are `tokens`: send the drafter what it lacks
+        (after the longest common prefix) and count the turn's stats afresh. False when the
+        session cannot go on (another drafter or settings, a dead link, an error, nothing shared)."""
+        if (link is not self.link or not (self.usable and link.alive)
+                or (params, spec, pipelined) != (self.params, self.spec, self.pipelined)):
+            return False
+        n = common_prefix(self.context, tokens)
+        if n == 0:
+            return False
+        keep = 0 if n == len(self.context) else n  # the last turn ended inside a verified path
+        link.extend(self.sid, pb.ExtendSession(tokens=tokens[n:], budget=spec.budget, depth=spec.depth, keep=keep))
+        self.context = list(tokens)
+        self.step += 1  # the drafter answers with the step after the tree it sent last
+        self.deadline_s, self.timeouts, self.predraft_hits = deadline_s, 0, 0
+        self.resumed = True
+        return True
 
     def next_tree(self, budget: int) -> DraftTree:
         if not (self.usable and self.link.alive):
             return DraftTree.empty()
         resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
+        if resp is not None and resp.error and self.resumed:
+            # the drafter no longer holds the session (say, evicted while idle between turns):
+            # open it afresh with the whole context, once
+            self.link.close_session(self.sid)
+            self._open(self.context)
+            resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
+        self.resumed = False
         if resp is None:
             self.timeouts += self.link.alive
             return DraftTree.empty()
@@ -167,6 +207,7 @@ class RemoteDrafts:
         if self.usable and self.link.alive:
             self.link.commit(self.sid, pb.CommitStep(step=self.step, accepted=new_tokens[:-1], bonus=new_tokens[-1],
                                                      budget=self.spec.budget, depth=self.spec.depth))
+            self.context.extend(new_tokens)
         self.step += 1
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Sessions held by one verifier: each keeps its target KV cache across turns (LRU-bounded).
+"""Sessions held by one verifier: each keeps its target KV cache, and its drafter session, across
+turns (LRU-bounded; evicting a session closes its drafter session too).
 
 A follow-up turn prefills only its new tokens. A request carrying the session's full `history`
 (sent by the router when it moved the session here) is checked against what we hold: if it
@@ -12,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from specmesh.engine import TargetSession
+from verifier_service.drafter_link import RemoteDrafts
 
 
 class SessionBusyError(RuntimeError):
@@ -21,6 +23,7 @@ class SessionBusyError(RuntimeError):
 @dataclass
 class Session:
     target: TargetSession | None = None
+    drafts: RemoteDrafts | None = None  # its drafter session, kept across turns
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -28,6 +31,9 @@ def _close(s: Session) -> None:
     if s.target is not None:
         s.target.close()
         s.target = None
+    if s.drafts is not None:
+        s.drafts.close()
+        s.drafts = None
 
 
 class SessionStore:

@@ -16,7 +16,7 @@ from specmesh.sampling import SamplingParams, make_generator
 from specmesh.text import visible
 from verifier_service.config import VerifierConfig
 from verifier_service.drafter_link import LinkPool, RemoteDrafts
-from verifier_service.sessions import SessionStore
+from verifier_service.sessions import Session, SessionStore
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Verifier:
         session = self.sessions.acquire(sid)
         try:
             target = self._place(session, turn, out)
-            yield from self._speculate(sid, target, turn, is_active, out)
+            yield from self._speculate(session, sid, target, turn, is_active, out)
         finally:
             self.sessions.release(session)
             if not turn.session_id:
@@ -107,14 +107,25 @@ class Verifier:
         out.prompt_tokens = len(t.tokens)
         return t
 
-    def _speculate(self, sid: str, target: TargetSession, turn: Turn, is_active: Callable[[], bool],
-                   out: Outcome) -> Iterator[Chunk]:
+    def _drafts(self, session: Session, sid: str, target: TargetSession, turn: Turn) -> RemoteDrafts | None:
+        """The turn's drafter session: the one the session holds, told only the new tokens
+        (ExtendSession), else a fresh one (OpenSession with the whole context), else none."""
+        link = self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
+        held = session.drafts
+        if held is not None and held.resume(link, target.tokens, turn.params, turn.spec, turn.pipelined,
+                                            turn.deadline_s):
+            return held
+        if held is not None:
+            held.close()
+        session.drafts = None if link is None else RemoteDrafts(
+            link, sid, list(target.tokens), turn.params, turn.spec, turn.pipelined, turn.deadline_s)
+        return session.drafts
+
+    def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,
+                   is_active: Callable[[], bool], out: Outcome) -> Iterator[Chunk]:
         params = turn.params
         generator = make_generator(params)
-        link = self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
-        source = None
-        if link is not None:
-            source = RemoteDrafts(link, sid, list(target.tokens), params, turn.spec, turn.pipelined, turn.deadline_s)
+        source = self._drafts(session, sid, target, turn)
         res = out.result
         res.stats.prompt_tokens = out.prompt_tokens
         shown = ""
@@ -133,9 +144,8 @@ class Verifier:
                 yield Chunk([], final[len(shown):])
         finally:
             res.stats.total_s = time.perf_counter() - t0
-            if source is not None:
+            if source is not None:  # the drafter session stays with the session (closed with it)
                 out.timeouts, out.predraft_hits = source.timeouts, source.predraft_hits
-                source.close()
 
     def _visible(self, ids: list[int], stop_strings: tuple[str, ...], final: bool = False) -> str:
         return visible(self.decode(ids), stop_strings, final)

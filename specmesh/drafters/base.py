@@ -15,7 +15,7 @@ condition `sampling.verify_sampling` needs to stay lossless. A chain is `budget 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,6 +126,15 @@ class DraftSession(Protocol):
         """Forget the context after its first `num_tokens` tokens (undo a speculative commit)."""
 
     def close(self) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class ContextSession:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, ContextSession, grow_tree
+from specmesh.drafters.base import Children, ContextSession, common_prefix, grow_tree
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -53,18 +53,10 @@ class OracleDrafter:
 
     def pick(self, context: list[int]) -> list[int]:
         """The reference sharing the longest prefix with `context` (the first one on ties)."""
-        return max(self.references, key=lambda ref: _common_prefix(ref, context))
+        return max(self.references, key=lambda ref: common_prefix(ref, context))
 
     def open(self, context: list[int]) -> "OracleSession":
         return OracleSession(self, list(context))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class OracleSession(ContextSession):

@@ -211,16 +211,20 @@ class DraftAhead:
                 return self._send(tree, budget, depth, True)
             return self._send(self._draft(budget, depth), budget, depth, False)
 
-    def extend(self, tokens: list[int], budget: int, depth: int) -> StepTree:
-        """New committed tokens that did not come from verification; returns a fresh tree for the
-        next step. The tree last sent (never committed) is dropped."""
+    def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0) -> StepTree:
+        """New committed tokens that did not come from verification, after keeping only the first
+        `keep` committed ones (0 = all); returns a fresh tree for the next step. The tree last sent
+        (never committed) is dropped."""
         with self._lock:
             self._check_open()
-            if self._speculated or not tokens:
+            keep = keep or self.position
+            if not 1 <= keep <= self.position:
+                raise ValueError(f"keep: must be in [1, {self.position}] (the committed tokens), got {keep}")
+            if self._speculated or not tokens or keep < self.position:
                 # an empty extension re-drafts at the same point: let the session re-feed its last token
-                self.session.rollback(self.position)
+                self.session.rollback(keep)
             self.session.commit(list(tokens))
-            self.position += len(tokens)
+            self.position = keep + len(tokens)
             self._speculated = False
             return self._send(self._draft(budget, depth), budget, depth, False)
 

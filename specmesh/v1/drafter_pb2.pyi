@@ -36,14 +36,16 @@ class OpenSession(_message.Message):
     def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class ExtendSession(_message.Message):
-    __slots__ = ("tokens", "budget", "depth")
+    __slots__ = ("tokens", "budget", "depth", "keep")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: int
     depth: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+    keep: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class CommitStep(_message.Message):
     __slots__ = ("step", "accepted", "bonus", "budget", "depth")

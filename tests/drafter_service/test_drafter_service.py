@@ -197,7 +197,19 @@ def test_ngram_hit_miss_extend_give_the_right_trees(ngram: Service) -> None:
     ctx += [9, 1, 2, 3]
     assert (r.error, r.step, r.position, r.predrafted) == ("", 3, len(ctx), False)
     assert tree_from_pb(r.tree) == _ngram_fresh(ctx, 8, 4)
+
+    # 4. a turn that ended inside a verified path: keep a prefix, then append
+    time.sleep(VERIFY_S)
+    r = s.ask("a", extend=drafter_pb2.ExtendSession(tokens=[4, 5], budget=8, depth=4, keep=len(ctx) - 3))
+    ctx = ctx[:-3] + [4, 5]
+    assert (r.error, r.step, r.position, r.predrafted) == ("", 4, len(ctx), False)
+    assert tree_from_pb(r.tree) == _ngram_fresh(ctx, 8, 4)
     s.send("a", close=drafter_pb2.CloseSession())
+
+    # 5. keeping more than the session holds is refused, naming the field
+    s.ask("b", open=drafter_pb2.OpenSession(context=[1, 2, 3], budget=4, depth=2))
+    r = s.ask("b", extend=drafter_pb2.ExtendSession(tokens=[4], budget=4, depth=2, keep=9))
+    assert r.error.startswith("keep: must be in [1, 3]"), r.error
     s.commit("a", 3, [], 1)
     assert s.recv().error.startswith("session_id:")
     s.close()

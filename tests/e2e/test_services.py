@@ -8,15 +8,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 from concurrent import futures
 
 import grpc
 import pytest
 import torch
 
-from specmesh.engine import SpecConfig, StopConditions, generate
+from loadtest.scrape import parse_prometheus
+from specmesh.engine import StopConditions, generate
 from specmesh.runtime import encode_prompt, load_target
 from specmesh.sampling import SamplingParams
+from specmesh.redis_server import free_port
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.e2e.procs import start
 
@@ -53,9 +56,16 @@ def reference_file(local, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ngram():
-    p = start("drafter_service", "--drafter", "ngram", "--threads", "1")
+    port = free_port()  # its Prometheus metrics: sessions opened
+    p = start("drafter_service", "--drafter", "ngram", "--threads", "1", "--metrics-port", str(port))
+    p.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield p
     p.stop()
+
+
+def opened(drafter) -> float:
+    with urllib.request.urlopen(drafter.metrics_url, timeout=10) as r:
+        return parse_prometheus(r.read().decode())["specmesh_drafter_sessions_opened_total"]
 
 
 @pytest.fixture(scope="module")
@@ -123,17 +133,44 @@ def test_seeded_sampling_reproducible(local, verifier, ngram):
 
 
 def test_second_turn_reuses_kv_cache(local, verifier, ngram):
+    """...the verifier's and the drafter's: turn 2 extends the drafter session of turn 1."""
     model, tok, cases = local
     ids, first = cases[0]
+    before = opened(ngram)
     out1, c1 = run(verifier.address, ids, drafter=ngram.address, session_id="kv-1")
     assert out1 == first and c1.usage.cached_prompt_tokens == 0
     follow = encode_prompt(tok, "And of Italy?", chat=True)
     out2, c2 = run(verifier.address, follow, drafter=ngram.address, session_id="kv-1")
+    assert opened(ngram) == before + 1  # one drafter session for both turns (ExtendSession)
+    assert c2.speculation.drafter_timeouts == 0  # every tree of turn 2 came from the extended session
     assert c2.usage.cached_prompt_tokens == len(ids) + len(out1)
     assert c2.usage.prompt_tokens == len(ids) + len(out1) + len(follow)
     expected = generate(model, ids + out1 + follow, SamplingParams(),
                         StopConditions(N, frozenset([tok.eos_token_id]))).token_ids
     assert out2 == expected
+
+
+def test_drafter_that_evicted_the_session_reopens_it(local, verifier):
+    """A drafter holding one session (--max-sessions 1) drops kv-a while kv-b drafts: kv-a's next
+    turn finds its drafter session gone, opens it afresh once, and still speculates."""
+    model, tok, cases = local
+    port = free_port()
+    d = start("drafter_service", "--drafter", "ngram", "--threads", "1", "--max-sessions", "1",
+              "--metrics-port", str(port))
+    d.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        (ids_a, first_a), (ids_b, _) = cases[0], cases[1]
+        assert run(verifier.address, ids_a, drafter=d.address, session_id="evict-a")[0] == first_a
+        run(verifier.address, ids_b, drafter=d.address, session_id="evict-b")  # evicts evict-a there
+        follow = encode_prompt(tok, "Say it again.", chat=True)
+        out, c = run(verifier.address, follow, drafter=d.address, session_id="evict-a")
+        assert opened(d) == 3  # a, b, a again
+        assert c.speculation.drafter_timeouts == 0  # the reopened session answered every step
+        expected = generate(model, ids_a + first_a + follow, SamplingParams(),
+                            StopConditions(N, frozenset([tok.eos_token_id]))).token_ids
+        assert out == expected
+    finally:
+        d.stop()
 
 
 def test_eight_concurrent_sessions(local, verifier, oracle):
