@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -42,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-from loadtest.bench_engine import Row, _commit, add_stats, expected_tokens_per_step
-from specmesh import kernels
+from loadtest.bench_engine import Row, add_stats, base_meta, expected_tokens_per_step
 from specmesh.drafters.base import Drafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.model import Transformer
@@ -392,10 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. run
     texts = pick_prompts(args.pair, n_prompts)
     report = bench(target, [encode_prompt(tok, t, chat=True) for t in texts], candidates, cfg, peer)
-    report["meta"] = {
-        "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-        "small_m_kernel": kernels.active() or kernels.reason(),
+    report["meta"] = base_meta() | {
         "pair": args.pair, "target": Path(target_path).name,
         "drafters": {c.name: (draft_path if c.model is not None else "ngram (prompt/suffix lookup)")
                      for c in candidates},

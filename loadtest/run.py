@@ -19,6 +19,7 @@ import ipaddress
 import json
 import math
 import socket
+import ssl
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -174,8 +175,9 @@ async def run_level(backend, cfg: LoadtestConfig, level: Level, tag: str, deadli
 
 
 async def run_async(cfg: LoadtestConfig) -> dict:
-    backend = await _backend(cfg)
-    before = {u: scrape.try_fetch(u, cfg.tls.ssl_context()) for u in cfg.scrape_urls}
+    ssl_context = cfg.tls.ssl_context()  # one for the HTTP backend and the scrapes
+    backend = await _backend(cfg, ssl_context)
+    before = {u: scrape.try_fetch(u, ssl_context) for u in cfg.scrape_urls}
     deadline = time.monotonic() + cfg.max_duration_s
     progress = Progress(cfg.total_requests(), enabled=cfg.progress)
     runs = []
@@ -189,7 +191,7 @@ async def run_async(cfg: LoadtestConfig) -> dict:
     finally:
         progress.close()
         await backend.close()
-    after = {u: scrape.try_fetch(u, cfg.tls.ssl_context()) for u in cfg.scrape_urls}
+    after = {u: scrape.try_fetch(u, ssl_context) for u in cfg.scrape_urls}
     return {
         "backend": "grpc" if cfg.grpc else "http",
         "target": cfg.grpc or cfg.target_url,
@@ -217,9 +219,9 @@ def run_result(cfg: LoadtestConfig, level: Level, records: list[RequestRecord], 
     return res
 
 
-async def _backend(cfg: LoadtestConfig):
+async def _backend(cfg: LoadtestConfig, ssl_context: ssl.SSLContext | None):
     if cfg.target_url:
-        return HttpBackend(cfg.target_url, cfg.api_key, cfg.request_timeout_s, cfg.model, cfg.tls.ssl_context())
+        return HttpBackend(cfg.target_url, cfg.api_key, cfg.request_timeout_s, cfg.model, ssl_context)
     from specmesh.loader import bundled_target_path, load_tokenizer
 
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or bundled_target_path())

@@ -108,12 +108,16 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTls
     return server.add_insecure_port(address)
 
 
+def _check_pair(cert: str | None, key: str | None) -> None:
+    if bool(cert) != bool(key):
+        raise ValueError("client_cert, client_key: give both or neither")
+
+
 def channel_credentials(ca: str | None = None, cert: str | None = None,
                         key: str | None = None) -> grpc.ChannelCredentials:
     """TLS channel credentials from paths: trust `ca` (None = system roots); present `cert` +
     `key` to servers that require mTLS."""
-    if bool(cert) != bool(key):
-        raise ValueError("client_cert, client_key: give both or neither")
+    _check_pair(cert, key)
     return grpc.ssl_channel_credentials(root_certificates=_read(ca, "root_ca") if ca else None,
                                         private_key=_read(key, "client_key") if key else None,
                                         certificate_chain=_read(cert, "client_cert") if cert else None)
@@ -145,6 +149,7 @@ def server_ssl_context(tls: ServerTls) -> ssl.SSLContext:
 
 def client_ssl_context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
     """For HTTPS clients of the router (e.g. `openai.DefaultHttpClient(verify=ctx)`)."""
+    _check_pair(cert, key)
     ctx = ssl.create_default_context(cafile=ca)
     if cert:
         ctx.load_cert_chain(cert, key)
@@ -169,9 +174,7 @@ class ClientTls:
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """For an HTTPS client (None: plaintext, or system roots when only `tls`)."""
-        if bool(self.client_cert) != bool(self.client_key):
-            raise ValueError("client_cert, client_key: give both or neither")
-        if not (self.root_ca or self.client_cert):
+        if not (self.root_ca or self.client_cert or self.client_key):
             return None
         return client_ssl_context(self.root_ca or None, self.client_cert or None, self.client_key or None)
 

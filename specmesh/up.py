@@ -89,12 +89,12 @@ def _echo(name: str, line: str) -> None:
 def print_endpoints(cluster: Cluster) -> None:
     """One line per process (name, address, pid, what it is, its metrics), then the ready line."""
     s = cluster.spec
+    http = f"{'https' if s.tls_cert else 'http'}://{cluster.http_address}" if cluster.http_address else "off"
     for name, address, pid, metrics in cluster.endpoints():
         what = {"redis": "embedded", "verifier": f"tp={s.tp}"}.get(name, "")
         if name == "router":
             address = f"grpc {cluster.grpc_address}"
-            scheme = "https" if s.tls_cert else "http"
-            what = f"http {scheme}://{cluster.http_address} (OpenAI API, /metrics)" if cluster.http_address else ""
+            what = f"http {http} (OpenAI API, /metrics)" if cluster.http_address else ""
         elif name.endswith("-register"):
             what = f"registers {name.removesuffix('-register')} in Redis"
         elif name.startswith("drafter-"):
@@ -103,7 +103,6 @@ def print_endpoints(cluster: Cluster) -> None:
         print(f"  {name:<20} {address:<32} pid {pid:<8} {what.strip()}".rstrip(), flush=True)
     if cluster.redis is None:
         print(f"  {'redis':<20} {cluster.redis_url} (external)", flush=True)
-    http = f"{'https' if s.tls_cert else 'http'}://{cluster.http_address}" if cluster.http_address else "off"
     print(f"specmesh ready: grpc {cluster.grpc_address} http {http}", flush=True)
 
 

@@ -52,16 +52,21 @@ def test_crash_report_names_the_child_its_exit_and_its_last_lines():
     assert describe_exit(3) == "code 3" and crash_report("x", 1, 1, []).endswith("it printed nothing")
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_demo_streams_text_prints_stats_and_exits_0():
-    up = UpProcess("--demo", "--max-tokens", "16", "--prompt", "Name three primary colors.")
+def demo(*argv: str) -> tuple[UpProcess, str]:
+    """`specmesh up --demo ...` run to its end: the process (stopped) and its stdout; it exited 0."""
+    up = UpProcess("--demo", "--prompt", "Name three primary colors.", *argv)
     try:
         code = up.wait(timeout=240)
     finally:
         up.kill()
-    out = "\n".join(up.out)
     assert code == 0, up.output()
+    return up, "\n".join(up.out)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_demo_streams_text_prints_stats_and_exits_0():
+    up, out = demo("--max-tokens", "16")
     assert "specmesh ready: grpc 127.0.0.1:" in out
     stats = re.search(r"^(\d+) tokens in [\d.]+ s \(.*\), finish: (stop|length)$", out, re.MULTILINE)
     assert stats and 1 <= int(stats.group(1)) <= 16, up.output()
@@ -79,14 +84,8 @@ def test_demo_with_tls_between_every_service(tmp_path):
     """--tls-*: the router serves TLS, services talk mTLS (drafter health checks included), and
     the demo client verifies the router with the CA: the generation runs with speculation."""
     pki = make_pki(tmp_path)
-    up = UpProcess("--demo", "--max-tokens", "12", "--prompt", "Name three primary colors.",
-                   "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-ca", pki.ca)
-    try:
-        code = up.wait(timeout=240)
-    finally:
-        up.kill()
-    out = "\n".join(up.out)
-    assert code == 0, up.output()
+    up, out = demo("--max-tokens", "12", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+                   "--tls-ca", pki.ca)
     assert re.search(r"^specmesh ready: grpc 127.0.0.1:\d+ http https://127.0.0.1:\d+$", out, re.MULTILINE), out
     drafted = re.search(r"^speculation: \d+ verify steps, (\d+) drafted", out, re.MULTILINE)
     assert drafted and int(drafted.group(1)) > 0, up.output()  # the verifier reached the drafter over mTLS

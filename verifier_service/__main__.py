@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     else:
         model = load_model(path)
-        if cfg.batching == "on" or (cfg.batching == "auto" and cfg.threads > 1):
+        if cfg.batched:
             from specmesh.batching import BatchingTarget
 
             model = BatchingTarget(model)
@@ -46,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    batching = "on" if cfg.tp == 1 and hasattr(model, "stats") else "off"
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads}, "
-          f"batching {batching})", flush=True)
+          f"batching {'on' if cfg.batched else 'off'})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
         from router.register import advertised_address, model_name, start_heartbeat

@@ -37,6 +37,11 @@ class VerifierConfig:
     tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (routers dial it); off = plaintext
     peer_tls: PeerTls = field(default_factory=PeerTls)  # the links to drafters; off = plaintext
 
+    @property
+    def batched(self) -> bool:
+        """Whether sessions share forwards: TP=1 only; `auto` = with more than one torch thread."""
+        return self.tp == 1 and (self.batching == "on" or (self.batching == "auto" and self.threads > 1))
+
 
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     env = os.environ.get

@@ -18,7 +18,6 @@ Without a compiler, on a CPU without AVX2/FMA, or with `SPECMESH_KERNELS=0`, `li
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -29,8 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 SMALL_M_MAX = 17  # a 16-node tree + the pending token; at 17 rows still faster than MKL on every SmolLM2 shape
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
@@ -102,7 +99,6 @@ def load() -> bool:
         _State.op = torch.ops.specmesh.small_linear
     except (OSError, RuntimeError) as e:
         _State.reason = str(e)
-        log.warning("specmesh: small-M kernel unavailable, using torch's GEMM: %s", e)
         print(f"specmesh: small-M kernel unavailable, using torch's GEMM: {e}", file=sys.stderr)
     return _State.op is not None
 
