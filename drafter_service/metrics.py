@@ -58,8 +58,8 @@ class _MeteredSession:
         self.metrics.tree_size.observe(len(tree))
         return tree
 
-    def commit(self, tokens: list[int]) -> None:
-        self.inner.commit(tokens)
+    def commit(self, tokens: list[int], features=None) -> None:
+        self.inner.commit(tokens, features)
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
@@ -78,8 +78,8 @@ class MeteredDrafter:
     def __init__(self, inner: Drafter, metrics: DrafterMetrics) -> None:
         self.inner, self.metrics = inner, metrics
 
-    def open(self, context: list[int]) -> _MeteredSession:
-        session = _MeteredSession(self.inner.open(context), self.metrics)
+    def open(self, context: list[int], features=None) -> _MeteredSession:
+        session = _MeteredSession(self.inner.open(context, features), self.metrics)
         self.metrics.opened.inc()
         return session
 

@@ -53,11 +53,10 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
         oracle = OracleDrafter.from_references(refs, float(arg), cfg.vocab_size, cfg.seed, cfg.draft_cost_s)
         return oracle, cfg.vocab_size
     if kind == "model":
-        from specmesh.drafters.model import ModelDrafter
-        from specmesh.loader import load_model
+        from specmesh.runtime import load_model_drafter
 
-        model = load_model(arg)
-        return ModelDrafter(model), model.config.vocab_size
+        drafter = load_model_drafter(arg)
+        return drafter, drafter.model.config.vocab_size
     raise ValueError(f"drafter: {cfg.drafter!r} cannot be served")
 
 

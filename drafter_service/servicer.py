@@ -12,6 +12,9 @@ Protocol, as this service implements it:
   last sent is dropped unverified) and answers with a fresh tree for step = last step + 1:
   steps count the trees sent for a session, 0, 1, 2, ..., whatever caused them.
 - CloseSession drops the session; no answer (unknown ids included).
+- A feature drafter (`specmesh.drafters.feature`) announces its feature size in the stream's
+  initial metadata (`specmesh-feature-dim`, "0" for other drafters) and needs `features` in
+  every open, extend and commit; a missing or mis-sized `features` is a bad request like any other.
 - Any bad request for a session (unknown or evicted id, wrong step, token id outside the
   vocabulary (ngram: any id >= 0), budget outside [1, 64], depth outside [1, 16], bad sampling
   settings, empty context) -> DraftResponse{session_id, error="<field>: <message>"}, and the
@@ -35,7 +38,7 @@ from collections.abc import Iterator
 import grpc
 
 from drafter_service.sessions import SessionStore
-from specmesh.convert import sampling_from_pb, tree_to_pb
+from specmesh.convert import features_from_pb, sampling_from_pb, tree_to_pb
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import DraftAhead, StepTree
 from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES
@@ -44,6 +47,7 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 log = logging.getLogger(__name__)
 
 _END = object()  # end of the request stream
+FEATURE_DIM_KEY = "specmesh-feature-dim"  # initial metadata of the Draft stream (drafter.proto)
 
 
 class RequestError(ValueError):
@@ -58,9 +62,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.drafter = drafter
         self.store = store
         self.vocab_size = vocab_size
+        self.feature_dim = drafter.feature_dim if drafter.needs_features else 0
 
     def Draft(self, request_iterator: Iterator[drafter_pb2.DrafterRequest],
               context: grpc.ServicerContext) -> Iterator[drafter_pb2.DraftResponse]:
+        context.send_initial_metadata(((FEATURE_DIM_KEY, str(self.feature_dim)),))
         inbox: queue.Queue = queue.Queue()
         context.add_callback(lambda: inbox.put(_END))
         threading.Thread(target=_pump, args=(request_iterator, inbox), daemon=True,
@@ -105,13 +111,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 _check_shape(c.budget, c.depth)
                 self._check_tokens("accepted", c.accepted)
                 self._check_tokens("bonus", [c.bonus])
-                step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth)
+                step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth,
+                                      self._features(c.features, len(c.accepted) + 1))
             elif kind == "extend":
                 e = req.extend
                 session = self._session(sid)
                 _check_shape(e.budget, e.depth)
                 self._check_tokens("tokens", e.tokens)
-                step = session.extend(list(e.tokens), e.budget, e.depth, e.keep)
+                step = session.extend(list(e.tokens), e.budget, e.depth, e.keep,
+                                      self._features(e.features, len(e.tokens)))
             else:
                 raise RequestError("kind: one of open, extend, commit or close is required")
         except ValueError as exc:
@@ -130,7 +138,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise RequestError("context: must hold at least one token")
         self._check_tokens("context", o.context)
         context = list(o.context)
-        session = DraftAhead(self.drafter.open(context), len(context), params, o.pipelined)
+        features = self._features(o.features, len(context) - 1)
+        session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:
@@ -163,6 +172,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if sid:
             self.store.pop(sid)
         return drafter_pb2.DraftResponse(session_id=sid, error=error)
+
+    def _features(self, data: bytes, rows: int):
+        """The target features of a request, for a feature drafter (None for the others)."""
+        return features_from_pb(data, rows, self.feature_dim) if self.feature_dim else None
 
     def _check_tokens(self, field: str, ids) -> None:
         vocab = self.vocab_size

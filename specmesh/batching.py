@@ -66,9 +66,9 @@ class BatchingTarget:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
                  mask: torch.Tensor | None = None,
-                 logits_rows: torch.Tensor | slice | None = slice(None)) -> torch.Tensor | None:
+                 logits_rows: torch.Tensor | slice | None = slice(None), hidden: bool = False):
         """`Transformer.forward`, possibly run in one forward with other sessions' calls."""
-        req = _Request(Segment(tokens, positions, cache, start, mask, logits_rows))
+        req = _Request(Segment(tokens, positions, cache, start, mask, logits_rows, want_hidden=hidden))
         with self._cv:
             self._queue.append(req)
             self._seen[id(cache)] = time.monotonic()
@@ -92,7 +92,7 @@ class BatchingTarget:
                     self._cv.notify_all()
         if req.error is not None:
             raise req.error
-        return req.logits
+        return (req.logits, req.segment.hidden) if hidden else req.logits
 
     forward = __call__
 

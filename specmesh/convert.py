@@ -6,6 +6,8 @@ means 1.0 (off). Nothing is validated here; the core's own validators do that.
 
 from __future__ import annotations
 
+import torch
+
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 from specmesh.v1 import common_pb2
@@ -43,3 +45,26 @@ def tree_to_pb(tree: DraftTree) -> common_pb2.DraftTree:
         parents=tree.parents,
         q=[common_pb2.SparseDist(node=n, ids=i, probs=p) for n, i, p in zip(tree.q_nodes, tree.q_ids, tree.q_probs)],
     )
+
+
+FEATURE_DTYPE = torch.float16  # target features on the wire (drafter.proto)
+
+
+def features_to_pb(features: torch.Tensor | None) -> bytes:
+    """[rows, dim] -> fp16 little-endian row-major bytes (b"" for None)."""
+    if features is None:
+        return b""
+    return features.detach().to("cpu", FEATURE_DTYPE).contiguous().numpy().astype("<f2", copy=False).tobytes()
+
+
+def features_from_pb(data: bytes, rows: int, dim: int) -> torch.Tensor:
+    """fp16 bytes -> [rows, dim] float32; ValueError naming the field when the size is wrong."""
+    want = rows * dim * 2
+    if len(data) != want:
+        raise ValueError(f"features: expected {rows} x {dim} fp16 values ({want} bytes), got {len(data)} bytes")
+    if rows == 0:
+        return torch.empty(0, dim)
+    t = torch.frombuffer(bytearray(data), dtype=FEATURE_DTYPE).view(rows, dim).float()
+    if not torch.isfinite(t).all():
+        raise ValueError("features: values must be finite")
+    return t

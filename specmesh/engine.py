@@ -7,6 +7,11 @@ and depth-based positions, verifies, commits the pending token and the accepted 
 the bonus token the new pending one. With an empty tree it is plain autoregressive decoding, so
 `--drafter none` runs the very same code.
 
+With `features=True` the session also keeps the target's final hidden state of every committed
+token but the pending one (fp16, `features[j]` is the state after `tokens[j]`, the one that predicted
+`tokens[j + 1]`): what a feature drafter (EAGLE-style, `specmesh.drafters.feature`) drafts from.
+The forward computes them anyway; keeping them costs hidden_size x 2 bytes per token.
+
 `generate` drives a TargetSession and a DraftSession, applies stop conditions, and measures.
 The engine works on token ids only; text (stop strings) goes through an optional `decode`.
 """
@@ -45,7 +50,7 @@ class SpecConfig:
 
 
 class TargetSession:
-    def __init__(self, model: Transformer, prompt_ids: list[int]) -> None:
+    def __init__(self, model: Transformer, prompt_ids: list[int], features: bool = False) -> None:
         if not prompt_ids:
             raise ValueError("prompt: at least one token is required")
         vocab = model.config.vocab_size
@@ -56,7 +61,32 @@ class TargetSession:
         self.cache = model.new_cache(len(prompt_ids) + 64)
         self.tokens: list[int] = []
         self.pending: int = -1
+        # [capacity, H] fp16, the first len(tokens) - 1 rows used (grown by doubling, not per step)
+        self._features = torch.empty(len(prompt_ids) + 64, model.config.hidden_size,
+                                     dtype=torch.float16) if features else None
         self.extend(prompt_ids)
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """[len(tokens) - 1, H]: the target's state after each committed token but the pending one."""
+        return None if self._features is None else self._features[:max(len(self.tokens) - 1, 0)]
+
+    def _keep_features(self, hidden: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Store the states that pair with the tokens about to be committed (call before committing)."""
+        h = hidden if rows is None else hidden[rows]
+        at = max(len(self.tokens) - 1, 0)
+        buf = self._features
+        if at + len(h) > buf.shape[0]:
+            grown = buf.new_empty(max(2 * buf.shape[0], at + len(h)), buf.shape[1])
+            grown[:at] = buf[:at]
+            self._features = buf = grown
+        buf[at:at + len(h)] = h.to("cpu", torch.float16)
+
+    def new_features(self, count: int) -> torch.Tensor | None:
+        """The rows that pair with the last `count` committed tokens (None when this session keeps
+        no features)."""
+        f = self.features
+        return None if f is None else f[len(f) - count:]
 
     def extend(self, new_ids: list[int]) -> None:
         """Prefill new committed tokens (a prompt or a follow-up turn); only what is new."""
@@ -65,8 +95,11 @@ class TargetSession:
         feed = ([self.pending] if self.pending >= 0 else []) + list(new_ids[:-1])
         if feed:
             start = self.cache.length
-            self.model(torch.tensor(feed), torch.arange(start, start + len(feed)), self.cache, start,
-                       logits_rows=None)
+            want = self._features is not None
+            out = self.model(torch.tensor(feed), torch.arange(start, start + len(feed)), self.cache, start,
+                             logits_rows=None, hidden=want)
+            if want:
+                self._keep_features(out[1])
             self.cache.commit(list(range(start, start + len(feed))))
         self.tokens.extend(new_ids)
         self.pending = new_ids[-1]
@@ -83,9 +116,13 @@ class TargetSession:
             mask = torch.ones(1 + n, start + 1 + n, dtype=torch.bool)  # [1 + N, S]
             mask[0, start + 1:] = False
             mask[1:, start + 1:] = tree_attention_mask(tree.parents)
-        logits = model(toks, pos, cache, start, mask)  # [1 + N, V]
+        want = self._features is not None
+        out = model(toks, pos, cache, start, mask, hidden=want)
+        logits = out[0] if want else out  # [1 + N, V]
         result = verify_tree(tree, logits, params, generator)
         cache.commit([start] + [start + 1 + i for i in result.accepted])
+        if want:
+            self._keep_features(out[1], [0] + [1 + i for i in result.accepted])
         new = result.tokens(tree)
         self.tokens.extend(new)
         self.pending = new[-1]
@@ -167,8 +204,10 @@ class TreeSource(Protocol):
     def next_tree(self, budget: int) -> DraftTree:
         """The tree for the next step (at most `budget` nodes wanted); empty = no speculation."""
 
-    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int]) -> None:
-        """The outcome of verifying `tree`."""
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
+                  features: torch.Tensor | None = None) -> None:
+        """The outcome of verifying `tree` (with the target features pairing with `new_tokens` when
+        the target session keeps them)."""
 
 
 class LocalDrafts:
@@ -181,8 +220,9 @@ class LocalDrafts:
     def next_tree(self, budget: int) -> DraftTree:
         return self.session.draft(min(budget, self.spec.budget), self.spec.depth, self.params, self.generator)
 
-    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int]) -> None:
-        self.session.commit(new_tokens)
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
+                  features: torch.Tensor | None = None) -> None:
+        self.session.commit(new_tokens, features)
 
 
 def run_turn(
@@ -223,7 +263,7 @@ def run_turn(
         st.drafted_tokens += len(tree)
         st.accepted_tokens += len(verdict.accepted)
         if source is not None:
-            source.committed(tree, verdict, new)
+            source.committed(tree, verdict, new, target.new_features(len(new)))
         # 3. stop conditions
         before = len(out)
         out.extend(new)
@@ -263,8 +303,9 @@ def generate_stream(
     res.stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
     generator = make_generator(params)
-    target = TargetSession(model, prompt_ids)
-    session = drafter.open(prompt_ids) if drafter is not None else None
+    features = drafter is not None and drafter.needs_features
+    target = TargetSession(model, prompt_ids, features)
+    session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
     source = LocalDrafts(session, spec, params, generator) if session is not None else None
     try:
         for chunk in run_turn(target, source, params, generator, stop, decode, res):

@@ -42,6 +42,7 @@ class ModelConfig:
     architecture: str = "llama"
     sliding_window: int | None = None  # attention window, where the config turns one on
     draft_vocab_size: int | None = None  # drafters only: the LM head scores this many tokens (vocab_map)
+    feature_input: bool = False  # feature drafters only: input = fc([target feature; token embedding])
 
     @staticmethod
     def from_hf(cfg) -> "ModelConfig":
@@ -70,6 +71,7 @@ class ModelConfig:
             architecture=cfg.model_type,
             sliding_window=window if window and window < cfg.max_position_embeddings else None,
             draft_vocab_size=(getattr(cfg, "specmesh", None) or {}).get("draft_vocab_size"),
+            feature_input=(getattr(cfg, "specmesh", None) or {}).get("kind") == "feature",
         )
 
 
@@ -101,6 +103,9 @@ class Segment:
     start: int  # slot of the first token
     mask: torch.Tensor | None = None  # [T, start + T] bool; None = causal
     logits_rows: torch.Tensor | slice | None = field(default_factory=lambda: slice(None))  # None = no logits
+    features: torch.Tensor | None = None  # [T, hidden] feature drafters: the target features fed with the tokens
+    want_hidden: bool = False  # fill `hidden` with the final hidden states (before the norm), [T, hidden]
+    hidden: torch.Tensor | None = None
 
 
 class Linear(nn.Linear):
@@ -193,6 +198,9 @@ class Transformer(nn.Module):
         self.vocab_map: torch.Tensor | None = None
         self.rope_scaling = rope_scaling
         self.tp_all_reduce: AllReduce | None = None  # set by tp.apply_tp
+        # Feature drafters (EAGLE-style, `specmesh.drafters.feature`): each row's input is
+        # fc([a target hidden state; the embedding of the token that followed it]).
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True) if cfg.feature_input else None
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         attn = self.model.layers[0].self_attn
@@ -213,9 +221,15 @@ class Transformer(nn.Module):
         start: int,
         mask: torch.Tensor | None = None,  # [T, start + T] bool; None = causal
         logits_rows: torch.Tensor | slice | None = slice(None),
-    ) -> torch.Tensor | None:
-        """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]."""
-        return self.forward_batch([Segment(tokens, positions, cache, start, mask, logits_rows)])[0]
+        features: torch.Tensor | None = None,
+        hidden: bool = False,
+    ):
+        """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]; with
+        `hidden`, (logits, final hidden states [T, hidden] before the norm: the target features a
+        feature drafter takes). `features`: a feature drafter's per-row input."""
+        seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden)
+        logits = self.forward_batch([seg])[0]
+        return (logits, seg.hidden) if hidden else logits
 
     @torch.inference_mode()
     def forward_batch(self, segments: list[Segment]) -> list[torch.Tensor | None]:
@@ -235,6 +249,11 @@ class Transformer(nn.Module):
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self._rope(positions, self.lm_head.weight.dtype)
         h = self.model.embed_tokens(tokens)  # [T, hidden]
+        if self.fc is not None:
+            if any(s.features is None or s.features.shape != (s.tokens.shape[0], h.shape[1]) for s in segments):
+                raise ValueError("features: a feature drafter needs one target feature per token")
+            feats = torch.cat([s.features for s in segments]) if len(segments) > 1 else segments[0].features
+            h = self.fc(torch.cat([feats.to(h.dtype), h], dim=-1))  # [T, hidden]
         reduce = self.tp_all_reduce
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn(layer.input_layernorm(h), cos, sin, segments, i)
@@ -244,6 +263,8 @@ class Transformer(nn.Module):
         picked, row = [], 0  # the rows each segment wants logits for; one lm_head product for all
         for s in segments:
             n = s.tokens.shape[0]
+            if s.want_hidden:
+                s.hidden = h[row:row + n]
             picked.append(None if s.logits_rows is None else h[row:row + n][s.logits_rows])
             row += n
         wanted = [p for p in picked if p is not None]

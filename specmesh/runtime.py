@@ -45,10 +45,22 @@ def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] 
         assert reference is not None, "the oracle drafter needs the reference continuation"
         return OracleDrafter(reference, float(arg), target.config.vocab_size, seed=seed)
     if kind == "model":
-        from specmesh.drafters.model import ModelDrafter
-
-        draft = load_model(arg)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"drafter: vocabulary {draft.config.vocab_size} != target's {target.config.vocab_size}")
-        return ModelDrafter(draft)
+        drafter = load_model_drafter(arg)
+        vocab = drafter.model.config.vocab_size
+        if vocab != target.config.vocab_size:
+            raise ValueError(f"drafter: vocabulary {vocab} != target's {target.config.vocab_size}")
+        if drafter.needs_features and drafter.feature_dim != target.config.hidden_size:
+            raise ValueError(f"drafter: takes {drafter.feature_dim}-wide target features, the target's hidden "
+                             f"size is {target.config.hidden_size}")
+        return drafter
     raise ValueError(f"drafter: unknown kind {kind!r}")
+
+
+def load_model_drafter(path: str):
+    """`model:PATH`: a small causal LM (`ModelDrafter`) or, when its config says specmesh.kind =
+    "feature", a feature drafter (`FeatureDrafter`, EAGLE-style)."""
+    from specmesh.drafters.feature import FeatureDrafter
+    from specmesh.drafters.model import ModelDrafter
+
+    draft = load_model(path)
+    return FeatureDrafter(draft) if draft.fc is not None else ModelDrafter(draft)

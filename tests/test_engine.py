@@ -32,14 +32,15 @@ class AdversarialDrafter:
     that are invalid (out-of-vocabulary ids, parents after children)."""
 
     name = "adversarial"
+    needs_features = False
 
     def __init__(self, vocab_size: int, mode: str, seed: int = 0) -> None:
         self.vocab, self.mode, self.rng = vocab_size, mode, random.Random(seed)
 
-    def open(self, context):
+    def open(self, context, features=None):
         return self
 
-    def commit(self, tokens):
+    def commit(self, tokens, features=None):
         pass
 
     def close(self):

@@ -299,7 +299,7 @@ class _MarkovSession:
         self.context = list(context)
         self.pools = pools
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], features=None) -> None:
         self.context.extend(tokens)
 
     def rollback(self, num_tokens: int) -> None:

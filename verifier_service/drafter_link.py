@@ -7,6 +7,11 @@ speculation); the commit of that step is still sent, so the drafter stays in ste
 for an old step is dropped here). A broken stream marks the link dead: every waiter wakes at once,
 and `LinkPool` opens a new stream after `reconnect_s`. Links are plaintext, or TLS / mTLS as the
 pool's `PeerTls` says (a drafter refusing the handshake is a dead link like any other).
+
+Feature drafters: the drafter's initial metadata says how wide the target features it takes are
+(`feature_dim`, 0 for none); for such a drafter every open/extend/commit carries the target
+session's features (`TargetSession(features=True)`, which the verifier turns on for sessions
+started with such a drafter).
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ import uuid
 
 import grpc
 
-from specmesh.convert import sampling_to_pb, tree_from_pb
+from specmesh.convert import features_to_pb, sampling_to_pb, tree_from_pb
 from specmesh.drafters.base import common_prefix
-from specmesh.engine import SpecConfig
+from specmesh.engine import SpecConfig, TargetSession
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
 from specmesh.tree import DraftTree
@@ -28,6 +33,8 @@ from specmesh.v1 import drafter_pb2 as pb
 from specmesh.v1 import drafter_pb2_grpc
 
 _DEAD = object()  # wakes waiters of a broken link
+FEATURE_DIM_KEY = "specmesh-feature-dim"  # the drafter's initial metadata (drafter.proto)
+METADATA_WAIT_S = 5.0  # how long a new link waits for the drafter's initial metadata
 
 
 class DrafterLink:
@@ -35,6 +42,8 @@ class DrafterLink:
         self.address = address
         self.alive = True
         self.failed_at = 0.0
+        self._feature_dim = 0
+        self._announced = threading.Event()  # the initial metadata arrived, or the link died
         self._send: queue.Queue = queue.Queue()
         self._inbox: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
@@ -51,8 +60,20 @@ class DrafterLink:
                 return
             yield item
 
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target features the drafter takes (0: none, or not known in time)."""
+        self._announced.wait(METADATA_WAIT_S)
+        return self._feature_dim
+
     def _read(self, call) -> None:
         try:
+            meta = dict(call.initial_metadata())
+            try:
+                self._feature_dim = max(0, int(meta.get(FEATURE_DIM_KEY, "0")))
+            except ValueError:
+                self._feature_dim = 0
+            self._announced.set()
             for resp in call:
                 with self._lock:
                     box = self._inbox.get(resp.session_id)
@@ -67,6 +88,7 @@ class DrafterLink:
             self.alive = False
             self.failed_at = time.monotonic()
             boxes = list(self._inbox.values())
+        self._announced.set()
         for box in boxes:
             box.put(_DEAD)
 
@@ -145,14 +167,22 @@ class RemoteDrafts:
     session keeps it, and the next turn `resume`s it with an ExtendSession carrying only the new
     tokens (the drafter keeps its cache), or opens a fresh one when it cannot."""
 
-    def __init__(self, link: DrafterLink, session_id: str, context: list[int], params: SamplingParams,
+    def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
                  spec: SpecConfig, pipelined: bool, deadline_s: float) -> None:
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
         self.params, self.pipelined = params, pipelined
+        self.target = target  # whose features a feature drafter gets
+        self.features = link.feature_dim > 0
         self.usable = True
         self.timeouts = 0
         self.predraft_hits = 0
-        self._open(list(context))
+        self._open(list(target.tokens))
+
+    def _features(self, first: int, count: int) -> bytes:
+        """The target features pairing with committed tokens [first, first + count), for a feature drafter."""
+        if not self.features:
+            return b""
+        return features_to_pb(self.target.features[first - 1:first - 1 + count])
 
     def _open(self, context: list[int]) -> None:
         # a fresh drafter-side key per drafter session: answers in flight for an earlier one never mix in
@@ -162,21 +192,27 @@ class RemoteDrafts:
         self.resumed = False
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
-                                                  pipelined=self.pipelined))
+                                                  pipelined=self.pipelined,
+                                                  features=self._features(1, len(context) - 1)))
 
-    def resume(self, link: DrafterLink | None, tokens: list[int], params: SamplingParams, spec: SpecConfig,
+    def resume(self, link: DrafterLink | None, target: TargetSession, params: SamplingParams, spec: SpecConfig,
                pipelined: bool, deadline_s: float) -> bool:
-        """Go on for a new turn whose committed tokens are `tokens`: send the drafter what it lacks
+        """Go on for a new turn whose committed tokens are `target.tokens`: send the drafter what it lacks
         (after the longest common prefix) and count the turn's stats afresh. False when the
         session cannot go on (another drafter or settings, a dead link, an error, nothing shared)."""
         if (link is not self.link or not (self.usable and link.alive)
                 or (params, spec, pipelined) != (self.params, self.spec, self.pipelined)):
             return False
+        if self.features and target.features is None:
+            return False
+        self.target = target
+        tokens = target.tokens
         n = common_prefix(self.context, tokens)
         if n == 0:
             return False
         keep = 0 if n == len(self.context) else n  # the last turn ended inside a verified path
-        link.extend(self.sid, pb.ExtendSession(tokens=tokens[n:], budget=spec.budget, depth=spec.depth, keep=keep))
+        link.extend(self.sid, pb.ExtendSession(tokens=tokens[n:], budget=spec.budget, depth=spec.depth, keep=keep,
+                                               features=self._features(n, len(tokens) - n)))
         self.context = list(tokens)
         self.step += 1  # the drafter answers with the step after the tree it sent last
         self.deadline_s, self.timeouts, self.predraft_hits = deadline_s, 0, 0
@@ -203,10 +239,12 @@ class RemoteDrafts:
         self.predraft_hits += resp.predrafted
         return tree_from_pb(resp.tree)
 
-    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int]) -> None:
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
+                  features=None) -> None:
         if self.usable and self.link.alive:
             self.link.commit(self.sid, pb.CommitStep(step=self.step, accepted=new_tokens[:-1], bonus=new_tokens[-1],
-                                                     budget=self.spec.budget, depth=self.spec.depth))
+                                                     budget=self.spec.budget, depth=self.spec.depth,
+                                                     features=features_to_pb(features) if self.features else b""))
             self.context.extend(new_tokens)
         self.step += 1
 

@@ -181,15 +181,20 @@ class TPModel:
         start: int,
         mask: torch.Tensor | None = None,  # [T, start + T] bool; None = causal
         logits_rows: torch.Tensor | slice | None = slice(None),
-    ) -> torch.Tensor | None:
-        """`Transformer.forward` on every rank; logits [R, vocab] on `tokens`' device, from rank 0."""
+        hidden: bool = False,
+    ):
+        """`Transformer.forward` on every rank; logits [R, vocab] on `tokens`' device, from rank 0
+        (with `hidden`, also rank 0's final hidden states: complete after the last all-reduce)."""
         t = self._check_forward(tokens, positions, cache, start, mask)
         dev = self.device
 
-        def rank0() -> torch.Tensor | None:
+        def to_host(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(tokens.device)
+
+        def rank0():
             m = None if mask is None else mask.to(dev)
-            out = self.model(tokens.to(dev), positions.to(dev), cache.local, start, m, logits_rows)
-            return None if out is None else out.to(tokens.device)
+            out = self.model(tokens.to(dev), positions.to(dev), cache.local, start, m, logits_rows, hidden=hidden)
+            return (to_host(out[0]), to_host(out[1])) if hidden else to_host(out)
 
         header = [Op.FORWARD, cache.id, start, t, 0 if mask is None else mask.shape[1]]
         payload: list[torch.Tensor] = []

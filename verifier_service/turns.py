@@ -15,7 +15,7 @@ from specmesh.engine import GenerationResult, SpecConfig, StopConditions, Target
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.text import visible
 from verifier_service.config import VerifierConfig
-from verifier_service.drafter_link import LinkPool, RemoteDrafts
+from verifier_service.drafter_link import DrafterLink, LinkPool, RemoteDrafts
 from verifier_service.sessions import Session, SessionStore
 
 
@@ -97,7 +97,8 @@ class Verifier:
             context = (turn.history or []) + turn.new_ids
             if not context:
                 raise ValueError("input: unknown session and no tokens to start it")
-            session.target = TargetSession(self.model, context)
+            # the target keeps its features for a feature drafter (EAGLE-style) from the start
+            session.target = TargetSession(self.model, context, features=self._feature_dim(turn) > 0)
             out.prompt_tokens = len(context)
             return session.target
         if len(t.tokens) + len(turn.new_ids) > self.cfg.max_context_tokens:
@@ -107,18 +108,30 @@ class Verifier:
         out.prompt_tokens = len(t.tokens)
         return t
 
+    def _link(self, turn: Turn) -> DrafterLink | None:
+        return self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
+
+    def _feature_dim(self, turn: Turn) -> int:
+        link = self._link(turn)
+        return 0 if link is None else link.feature_dim
+
     def _drafts(self, session: Session, sid: str, target: TargetSession, turn: Turn) -> RemoteDrafts | None:
         """The turn's drafter session: the one the session holds, told only the new tokens
-        (ExtendSession), else a fresh one (OpenSession with the whole context), else none."""
-        link = self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
+        (ExtendSession), else a fresh one (OpenSession with the whole context), else none. A
+        feature drafter needs a target session that kept its features (one started with such a
+        drafter); without them, and for a feature width other than the target's hidden size, the
+        turn runs without speculation."""
+        link = self._link(turn)
         held = session.drafts
-        if held is not None and held.resume(link, target.tokens, turn.params, turn.spec, turn.pipelined,
-                                            turn.deadline_s):
+        if held is not None and held.resume(link, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s):
             return held
         if held is not None:
             held.close()
+        dim = 0 if link is None else link.feature_dim
+        if dim and (target.features is None or dim != self.model.config.hidden_size):
+            link = None
         session.drafts = None if link is None else RemoteDrafts(
-            link, sid, list(target.tokens), turn.params, turn.spec, turn.pipelined, turn.deadline_s)
+            link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,

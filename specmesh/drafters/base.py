@@ -115,12 +115,26 @@ def children_from_probs(
     )
 
 
+def node_mask(paths: list[tuple[int, ...]], context_rows: int, at: int,
+              slot_of: dict[tuple[int, ...], int]) -> torch.Tensor:
+    """[T, at + T] bool for feeding one tree level at scratch slots [at, at + T): each node sees the
+    first `context_rows` cache slots, its ancestors' slots (`slot_of[path prefix]`) and itself."""
+    mask = torch.zeros(len(paths), at + len(paths), dtype=torch.bool)
+    mask[:, :context_rows] = True
+    for row, path in enumerate(paths):
+        for k in range(1, len(path)):
+            mask[row, slot_of[path[:k]]] = True
+        mask[row, at + row] = True
+    return mask
+
+
 class DraftSession(Protocol):
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree: ...
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the verifier since the last call (accepted path + bonus), or new
-        tokens of a follow-up turn."""
+        tokens of a follow-up turn; `features`: the target's, for drafters that take them
+        (`Drafter.needs_features`; see `specmesh.drafters.feature`), else None."""
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the context after its first `num_tokens` tokens (undo a speculative commit)."""
@@ -143,7 +157,7 @@ class ContextSession:
     def __init__(self, context: list[int]) -> None:
         self.context = context
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         self.context.extend(tokens)
 
     def rollback(self, num_tokens: int) -> None:
@@ -156,5 +170,8 @@ class ContextSession:
 
 class Drafter(Protocol):
     name: str
+    needs_features: bool  # drafts from the target's hidden states (the verifier must send them)
 
-    def open(self, context: list[int]) -> DraftSession: ...
+    def open(self, context: list[int], features: torch.Tensor | None = None) -> DraftSession:
+        """A session for `context`; `features`: [len(context) - 1, hidden] target features when
+        `needs_features`, else None."""

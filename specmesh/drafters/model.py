@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.drafters.base import Children, children_from_probs, grow_tree
+from specmesh.drafters.base import Children, children_from_probs, grow_tree, node_mask
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, target_probs
 from specmesh.tree import ROOT, DraftTree
@@ -19,11 +19,12 @@ from specmesh.tree import ROOT, DraftTree
 
 class ModelDrafter:
     name = "model"
+    needs_features = False
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
 
-    def open(self, context: list[int]) -> "ModelDraftSession":
+    def open(self, context: list[int], features: torch.Tensor | None = None) -> "ModelDraftSession":
         if not context:
             raise ValueError("context: a draft session needs at least one token")
         return ModelDraftSession(self.model, list(context))
@@ -53,7 +54,7 @@ class ModelDraftSession:
         self.cache.truncate(min(self.cache.length, num_tokens - 1))  # the last token stays pending
         self._slot_of = {}
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         # Reuse K/V of accepted nodes fed while drafting (same tokens, same positions, same
         # ancestors: same K/V). The last token always stays pending, to give the next root's logits.
         slots = []
@@ -87,12 +88,7 @@ class ModelDraftSession:
             # 2. feed the nodes being expanded: each sees the context and its own ancestors
             nonlocal next_slot
             at, next_slot = next_slot, next_slot + len(paths)
-            mask = torch.zeros(len(paths), at + len(paths), dtype=torch.bool)  # [T, S]
-            mask[:, :n] = True
-            for row, path in enumerate(paths):
-                for k in range(1, len(path)):
-                    mask[row, slot_of[path[:k]]] = True
-                mask[row, at + row] = True
+            mask = node_mask(paths, n, at, slot_of)  # [T, S]
             toks = torch.tensor([p[-1] for p in paths])  # [T]
             pos = torch.tensor([n - 1 + len(p) for p in paths])  # [T] depth-based positions
             probs = _probs(model(toks, pos, cache, at, mask), params)  # [T, V]

@@ -19,6 +19,7 @@ MAX_MATCHES = 16
 
 class NgramDrafter:
     name = "ngram"
+    needs_features = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -26,7 +27,7 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def open(self, context: list[int]) -> "NgramSession":
+    def open(self, context: list[int], features: torch.Tensor | None = None) -> "NgramSession":
         return NgramSession(self, list(context))
 
 

@@ -25,6 +25,7 @@ from specmesh.tree import DraftTree
 
 class OracleDrafter:
     name = "oracle"
+    needs_features = False
 
     def __init__(self, reference: list[int], alpha: float, vocab_size: int, seed: int = 0,
                  draft_cost_s: float = 0.0) -> None:
@@ -55,7 +56,7 @@ class OracleDrafter:
         """The reference sharing the longest prefix with `context` (the first one on ties)."""
         return max(self.references, key=lambda ref: common_prefix(ref, context))
 
-    def open(self, context: list[int]) -> "OracleSession":
+    def open(self, context: list[int], features: torch.Tensor | None = None) -> "OracleSession":
         return OracleSession(self, list(context))
 
 

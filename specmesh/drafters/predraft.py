@@ -188,22 +188,25 @@ class DraftAhead:
             assert self._tree is None, "first() is called once, right after opening"
             return self._send(self._draft(budget, depth), budget, depth, False)
 
-    def commit(self, step: int, accepted: list[int], bonus: int, budget: int, depth: int) -> StepTree:
-        """The verifier's outcome of the tree for `step`; returns the tree for step + 1."""
+    def commit(self, step: int, accepted: list[int], bonus: int, budget: int, depth: int,
+               features: torch.Tensor | None = None) -> StepTree:
+        """The verifier's outcome of the tree for `step`; returns the tree for step + 1. `features`:
+        the target's for accepted + [bonus] (feature drafters only)."""
         with self._lock:
             self._check_open()
             if step != self.step:
                 raise ValueError(f"step: expected {self.step} (the tree last sent), got {step}")
             pred, tree = self._predraft, None
             if pred is not None and accepted == pred.path:
-                # 1. the speculative path was right: the session already holds it
-                self.session.commit([bonus])
+                # 1. the speculative path was right: the session already holds it (a feature
+                # drafter held it with predicted features: the verifier's replace them)
+                self.session.commit([bonus], features)
                 tree = pick_predrafted(pred.tree, bonus, budget, depth)
             else:
                 # 2. a miss: forget the speculative path, take what was verified
                 if self._speculated:
                     self.session.rollback(self.position)
-                self.session.commit(list(accepted) + [bonus])
+                self.session.commit(list(accepted) + [bonus], features)
             self.position += len(accepted) + 1
             self._speculated = False
             if tree is not None:
@@ -211,7 +214,8 @@ class DraftAhead:
                 return self._send(tree, budget, depth, True)
             return self._send(self._draft(budget, depth), budget, depth, False)
 
-    def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0) -> StepTree:
+    def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
+               features: torch.Tensor | None = None) -> StepTree:
         """New committed tokens that did not come from verification, after keeping only the first
         `keep` committed ones (0 = all); returns a fresh tree for the next step. The tree last sent
         (never committed) is dropped."""
@@ -223,7 +227,7 @@ class DraftAhead:
             if self._speculated or not tokens or keep < self.position:
                 # an empty extension re-drafts at the same point: let the session re-feed its last token
                 self.session.rollback(keep)
-            self.session.commit(list(tokens))
+            self.session.commit(list(tokens), features)
             self.position = keep + len(tokens)
             self._speculated = False
             return self._send(self._draft(budget, depth), budget, depth, False)

@@ -22,44 +22,50 @@ class DrafterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., extend: _Optional[_Union[ExtendSession, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("context", "sampling", "budget", "depth", "pipelined")
+    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     budget: int
     depth: int
     pipelined: bool
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    features: bytes
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class ExtendSession(_message.Message):
-    __slots__ = ("tokens", "budget", "depth", "keep")
+    __slots__ = ("tokens", "budget", "depth", "keep", "features")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: int
     depth: int
     keep: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
+    features: bytes
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class CommitStep(_message.Message):
-    __slots__ = ("step", "accepted", "bonus", "budget", "depth")
+    __slots__ = ("step", "accepted", "bonus", "budget", "depth", "features")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     step: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     budget: int
     depth: int
-    def __init__(self, step: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+    features: bytes
+    def __init__(self, step: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class CloseSession(_message.Message):
     __slots__ = ()
