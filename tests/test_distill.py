@@ -11,16 +11,15 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from specmesh.distill import train
 from specmesh.distill.prompts import is_heldout, prompts
 from specmesh.drafters import bundled_drafter_path, resolve_auto
 from specmesh.drafters.model import ModelDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
-from specmesh.loader import VOCAB_MAP_KEY, load_model, model_from_hf, target_embeddings
+from specmesh.loader import VOCAB_MAP_KEY, load_model, target_embeddings
 from specmesh.sampling import SamplingParams
-from tests.tiny_models import random_hf_model
+from tests.tiny_models import tiny_distillation_setup
 
 VOCAB = 96
 
@@ -28,23 +27,7 @@ VOCAB = 96
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1)
-    hf = random_hf_model(cfg, seed=3)
-    target = model_from_hf(cfg, hf.state_dict())
-    # Teacher data: the target's own greedy continuations of random prompts, top-k from its logits.
-    g = torch.Generator().manual_seed(0)
-    examples = []
-    for _ in range(24):
-        prompt = torch.randint(2, VOCAB, (6,), generator=g).tolist()
-        out = generate(target, prompt, SamplingParams(), StopConditions(24)).token_ids
-        tokens = torch.tensor(prompt + out)
-        with torch.no_grad():
-            p = torch.softmax(hf(tokens[None]).logits[0, len(prompt) - 1:-1], -1)
-        v, i = p.topk(8, -1)
-        examples.append({"tokens": tokens.to(torch.int32), "start": len(prompt), "topk_ids": i.to(torch.int32),
-                         "topk_p": v.half(), "kind": "chat"})
-    return cfg, hf, target, examples
+    return tiny_distillation_setup(VOCAB)
 
 
 def test_prompt_splits_are_disjoint_by_topic():
@@ -67,14 +50,14 @@ def test_distillation_learns_and_export_loads_into_the_runtime(tiny, tmp_path):
     tc = train.TrainConfig(layers=1, draft_vocab=48, lr=3e-3, batch_tokens=256, minutes=5, max_epochs=6,
                            warmup_steps=3, checkpoint_every=5)
     result = train.train(student, examples, examples[:6], vocab_map, VOCAB, tc, tmp_path / "ckpt.pt",
-                         log=lambda *a: None)
+                         log=lambda *a, **k: None)
     assert result["final_loss"] < 0.9 * result["first_loss"], result  # soft targets: entropy stays
     assert result["greedy_acceptance"] > before["greedy_acceptance"] + 0.2, (before, result)
 
     # A finished run resumes from its checkpoint without training again.
     steps = result["steps"]
     again = train.train(student, examples, examples[:6], vocab_map, VOCAB, tc, tmp_path / "ckpt.pt",
-                        log=lambda *a: None)
+                        log=lambda *a, **k: None)
     assert again["steps"] == steps
 
     out = tmp_path / "drafter"
@@ -125,8 +108,7 @@ def bundled():
     from specmesh.runtime import load_target
 
     torch.set_num_threads(2)
-    model, tok = load_target(None)
-    return model, tok, load_model(bundled_drafter_path())
+    return load_target(None)
 
 
 def test_shipped_drafter_is_the_default_for_the_bundled_target():
@@ -139,24 +121,25 @@ def test_shipped_drafter_is_the_default_for_the_bundled_target():
 
 
 @pytest.mark.slow
-def test_shipped_drafter_heldout_acceptance(bundled):
+@pytest.mark.parametrize("which, floor", [("smollm2_135m", 0.40), ("smollm2_135m_token", 0.30)])
+def test_shipped_drafter_heldout_acceptance(bundled, which, floor):
     """Greedy per-token acceptance, teacher-forced on the target's own greedy answers to held-out
-    prompts (topics never trained on). Deterministic; the benchmark (bench_drafters) measures more."""
+    prompts (topics never trained on); the feature drafter gets the target's features of the prefix
+    (its first draft level). Deterministic; the benchmark (bench_drafters) measures more."""
+    from loadtest.bench_drafters import teacher_forced_matches
     from specmesh.runtime import encode_prompt
 
-    model, tok, drafter = bundled
+    model, tok = bundled
+    drafter = load_model(bundled_drafter_path().parent / which)
     hit = total = 0
     for text in prompts("heldout")[:4]:
         ids = encode_prompt(tok, text, chat=True)
         out = generate(model, ids, SamplingParams(), StopConditions(48, frozenset({tok.eos_token_id}))).token_ids
-        seq = torch.tensor(ids + out)
-        logits = drafter(seq, torch.arange(len(seq)), drafter.new_cache(len(seq)), 0)
-        pred = logits[len(ids) - 1:-1].argmax(-1)
-        hit += int((pred == torch.tensor(out)).sum())
+        hit += teacher_forced_matches(drafter, ids, out, model)
         total += len(out)
-    # Measured 0.40 on 8 held-out prompts (bench_drafters), 0.35 in training's own held-out eval;
-    # untrained (the target's first 2 layers + head) it is 0.04. A regression guard, not a goal.
-    assert hit / total >= 0.3, f"held-out greedy acceptance {hit / total:.2f}"
+    # A regression guard, not a goal: README "Drafters" has the measured values (the token
+    # drafter: 0.40 on 8 held-out prompts, 0.04 untrained).
+    assert hit / total >= floor, f"held-out greedy acceptance {hit / total:.2f}"
 
 
 @pytest.mark.slow

@@ -19,3 +19,31 @@ def random_hf_model(cfg, seed: int = 0):
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
     return hf
+
+
+def tiny_distillation_setup(vocab: int = 96, examples: int = 24):
+    """A tiny random Llama target and distillation examples of it: its own greedy continuations of
+    random prompts with its top-8 at every continuation position (the format of
+    specmesh.distill.data). Returns (config, transformers model, our Transformer, examples)."""
+    from transformers import LlamaConfig
+
+    from specmesh.engine import StopConditions, generate
+    from specmesh.loader import model_from_hf
+    from specmesh.sampling import SamplingParams
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1)
+    hf = random_hf_model(cfg, seed=3)
+    target = model_from_hf(cfg, hf.state_dict())
+    g = torch.Generator().manual_seed(0)
+    out_examples = []
+    for _ in range(examples):
+        prompt = torch.randint(2, vocab, (6,), generator=g).tolist()
+        out = generate(target, prompt, SamplingParams(), StopConditions(24)).token_ids
+        tokens = torch.tensor(prompt + out)
+        with torch.no_grad():
+            p = torch.softmax(hf(tokens[None]).logits[0, len(prompt) - 1:-1], -1)
+        v, i = p.topk(8, -1)
+        out_examples.append({"tokens": tokens.to(torch.int32), "start": len(prompt), "topk_ids": i.to(torch.int32),
+                             "topk_p": v.half(), "kind": "chat"})
+    return cfg, hf, target, out_examples

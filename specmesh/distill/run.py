@@ -28,7 +28,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-prompts", type=int, default=96)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--corpus-chars", type=int, default=600_000, help="local Python sources / docs, teacher-forced")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (the target's first N, then trained)")
+    p.add_argument("--kind", choices=("feature", "token"), default="feature",
+                   help="feature: EAGLE-style, drafts from the target's hidden states (one layer); "
+                        "token: a small causal LM cut from the target (--layers)")
+    p.add_argument("--layers", type=int, default=2, help="token kind: decoder layers (the target's first N)")
+    p.add_argument("--depths", type=int, default=3, help="feature kind: draft levels unrolled in training")
+    p.add_argument("--init", default="target",
+                   help="feature kind: 'target' (one layer, the target's last) or 'token:DIR' (start from a "
+                        "trained token-level drafter: its layers, norm, head and vocabulary)")
+    p.add_argument("--reg-weight", type=float, default=None,
+                   help="feature kind: feature regression weight (default 0.2 for --init target, 0 for token:DIR)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the drafter's head scores")
     p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -74,19 +83,8 @@ def main(args: argparse.Namespace) -> int:
     # 2. student + training
     eos = [t for t in {tok.eos_token_id, hf.config.eos_token_id} if t is not None]
     vocab_map = train.choose_vocab(train_ex, args.draft_vocab, hf.config.vocab_size, eos)
-    hf = hf.cpu() if device == "cpu" else hf
-    student = train.build_student(hf, args.layers, vocab_map).to(device)
-    cfg = train.TrainConfig(layers=args.layers, draft_vocab=args.draft_vocab, lr=args.lr,
-                            batch_tokens=args.batch_tokens, minutes=args.minutes, seed=args.seed)
-    local_of = train.local_index(vocab_map, hf.config.vocab_size)
-    before = train.evaluate(student.cpu(), held_ex, vocab_map, local_of)
-    student.to(device)
-    result = train.train(student, train_ex, held_ex, vocab_map, hf.config.vocab_size, cfg, work / "checkpoint.pt")
-    student.cpu()
-
-    # 3. export
     embed = {"sha256": _sha256(target), "path": str(target)} if target.suffix == ".gguf" else None
-    recipe = {
+    base_recipe = {
         "command": "specmesh train-drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "target": target.name,
         "target_sha256": embed["sha256"] if embed else None,
@@ -99,6 +97,24 @@ def main(args: argparse.Namespace) -> int:
             "supervised_tokens": n_tokens,
             "examples": len(train_ex),
         },
+    }
+    if args.kind == "feature":
+        del hf
+        return _train_feature(args, target, folder, train_ex, held_ex, vocab_map, work, embed, base_recipe,
+                              t0, t_data, device, len(held_prompts))
+    hf = hf.cpu() if device == "cpu" else hf
+    student = train.build_student(hf, args.layers, vocab_map).to(device)
+    cfg = train.TrainConfig(layers=args.layers, draft_vocab=args.draft_vocab, lr=args.lr,
+                            batch_tokens=args.batch_tokens, minutes=args.minutes, seed=args.seed)
+    local_of = train.local_index(vocab_map, hf.config.vocab_size)
+    before = train.evaluate(student.cpu(), held_ex, vocab_map, local_of)
+    student.to(device)
+    result = train.train(student, train_ex, held_ex, vocab_map, hf.config.vocab_size, cfg, work / "checkpoint.pt")
+    student.cpu()
+
+    # 3. export
+    recipe = {
+        **base_recipe,
         "student": {"layers": args.layers, "init": f"target layers 0..{args.layers - 1}, final norm",
                     "embeddings": "shared with the target, frozen", "draft_vocab": len(vocab_map),
                     "head_init": "target output-embedding rows of the kept tokens"},
@@ -110,4 +126,62 @@ def main(args: argparse.Namespace) -> int:
     }
     train.export(student, vocab_map, hf, out, embed, recipe)
     print(json.dumps({"out": str(out), "heldout": result}, indent=1))
+    return 0
+
+
+def _train_feature(args, target: Path, folder: Path, train_ex: list[dict], held_ex: list[dict],
+                   vocab_map: torch.Tensor, work: Path, embed: dict | None, base_recipe: dict, t0: float,
+                   t_data: float, device: str, held_prompts: int) -> int:
+    """The feature-drafter path (`specmesh.distill.feature`): target features, unrolled training, export."""
+    from transformers import AutoConfig
+
+    from specmesh.distill import feature
+    from specmesh.loader import load_model
+
+    if embed is None:
+        raise ValueError("target: a feature drafter shares the target's embeddings, which needs a .gguf target")
+    model = load_model(target)
+    log = lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True)  # noqa: E731
+    feature.add_features(model, train_ex, work / "features-train.pt", log)
+    feature.add_features(model, held_ex, work / "features-heldout.pt", log)
+    sigma = feature.feature_std(train_ex)
+    if args.init == "target":
+        student = feature.FeatureStudent.from_target(model, vocab_map, sigma)
+        init = {"from": "target", "layers": 1, "init": "the target's last decoder layer, final norm and head rows; "
+                                                        "fc = mean of its two (rescaled) inputs"}
+    elif args.init.startswith("token:"):
+        token_drafter = load_model(args.init[len("token:"):])
+        if token_drafter.vocab_map is None or token_drafter.fc is not None:
+            raise ValueError("init: token:DIR must be a token-level drafter with a reduced-vocabulary head")
+        vocab_map = token_drafter.vocab_map
+        student = feature.FeatureStudent.from_token_drafter(model, token_drafter, sigma)
+        init = {"from": args.init, "layers": len(student.layers),
+                "init": "the token-level drafter's layers, norm, head and vocabulary; fc = [0 ; I] (starts as it)"}
+    else:
+        raise ValueError(f"init: expected 'target' or 'token:DIR', got {args.init!r}")
+    vocab_size = model.config.vocab_size
+    del model
+    reg = args.reg_weight if args.reg_weight is not None else (0.2 if args.init == "target" else 0.0)
+    cfg = feature.FeatureTrainConfig(draft_vocab=len(vocab_map), depths=args.depths, reg_weight=reg, lr=args.lr,
+                                     minutes=args.minutes, seed=args.seed)
+    local_of = feature.local_index(vocab_map, vocab_size)
+    before = feature.evaluate(student, held_ex, local_of, cfg.depths, sigma)
+    student.to(device)
+    result = feature.train(student, train_ex, held_ex, vocab_map, vocab_size, cfg,
+                           work / "checkpoint-feature.pt", log)
+    student.cpu()
+    recipe = {
+        **base_recipe,
+        "student": {"kind": "feature (EAGLE-style)", **init,
+                    "input": "fc([target final hidden state; embedding of the next token])",
+                    "embeddings": "shared with the target, frozen", "draft_vocab": len(vocab_map)},
+        "train": {**asdict(cfg), "level_decay": feature.LEVEL_DECAY, "feature_noise": feature.FEATURE_NOISE},
+        "heldout": {"prompts": held_prompts, "before_training": before, "after_training": result},
+        "seconds": {"data": round(t_data, 1), "total": round(time.perf_counter() - t0, 1)},
+        "threads": torch.get_num_threads(),
+        "device": device,
+    }
+    hf_cfg = AutoConfig.from_pretrained(folder).to_dict()
+    feature.export(student, vocab_map, hf_cfg, Path(args.out), embed, recipe)
+    print(json.dumps({"out": str(args.out), "heldout": result}, indent=1))
     return 0

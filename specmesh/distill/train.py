@@ -160,15 +160,19 @@ def evaluate(student: Student, examples: list[dict], vocab_map: torch.Tensor, lo
     return {"greedy_acceptance": hit / max(total, 1), "vocab_coverage": covered / max(total, 1), "positions": total}
 
 
-def train(student: Student, train_ex: list[dict], eval_ex: list[dict], vocab_map: torch.Tensor,
-          vocab_size: int, cfg: TrainConfig, ckpt: Path, log=print) -> dict:
-    local_of = local_index(vocab_map, vocab_size)
-    rng = random.Random(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def log_flush(*args, **kwargs) -> None:
+    """print, flushed: the training loops' progress line is rewritten in place (no newline)."""
+    print(*args, **kwargs, flush=True)
+
+
+def run_steps(student: torch.nn.Module, plan: list, step_fn, lr: float, warmup_steps: int, minutes: float,
+              checkpoint_every: int, ckpt: Path, lr_floor: float = 0.1, log=log_flush) -> dict:
+    """The training loop both drafter kinds share: AdamW on the trainable parameters, warmup then
+    a cosine decay to `lr_floor` x `lr` planned over the steps the time budget allows (estimated
+    after 10 steps), gradient clipping, a checkpoint every `checkpoint_every` steps (rerun to
+    resume). `step_fn(batch) -> (loss, progress text)`. Returns the state: step, seconds, losses."""
     params = [p for p in student.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    epochs = [_batches(train_ex, cfg.batch_tokens, rng) for _ in range(cfg.max_epochs)]
-    plan = [b for ep in epochs for b in ep]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     state = {"step": 0, "seconds": 0.0, "losses": []}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
@@ -176,48 +180,64 @@ def train(student: Student, train_ex: list[dict], eval_ex: list[dict], vocab_map
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         log(f"resumed from {ckpt} at step {state['step']}")
-    budget = cfg.minutes * 60
-    # The schedule is planned for the steps the time budget allows, estimated after a few steps.
-    total_steps = len(plan)
+    budget = minutes * 60
+    total = len(plan)
     student.train()
     t_start = time.perf_counter() - state["seconds"]
-    tokens_seen = 0
     while state["step"] < len(plan):
         step = state["step"]
         elapsed = time.perf_counter() - t_start
         if elapsed > budget:
-            log(f"\ntime budget of {cfg.minutes} min reached at step {step}")
+            log(f"\ntime budget of {minutes} min reached at step {step}")
             break
         if step >= 10:
-            total_steps = min(len(plan), int(step * budget / max(elapsed, 1e-9)))
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
-        frac = min(1.0, step / max(total_steps, 1))
-        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+            total = min(len(plan), int(step * budget / max(elapsed, 1e-9)))
+        rate = lr * min(1.0, (step + 1) / warmup_steps)
+        rate *= lr_floor + (1 - lr_floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(total, 1))))
         for g in opt.param_groups:
-            g["lr"] = lr
-        ids, att, tid, tp, mask = _collate(plan[step], local_of)
-        dev = student.head.weight.device
-        loss = distill_loss(student(ids.to(dev), att.to(dev)), tid.to(dev), tp.to(dev), mask.to(dev))
+            g["lr"] = rate
+        loss, progress = step_fn(plan[step])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        tokens_seen += int(att.sum())
         state["step"] = step + 1
         state["losses"].append(round(loss.item(), 4))
         state["seconds"] = time.perf_counter() - t_start
-        eta = min(budget - state["seconds"], (total_steps - step - 1) * state["seconds"] / (step + 1))
-        print(f"\rstep {step + 1}/{total_steps} loss {loss.item():.3f} lr {lr:.1e} "
-              f"epoch {1 + step // max(len(epochs[0]), 1)} {tokens_seen / max(state['seconds'], 1e-9):.0f} tok/s "
-              f"eta {eta / 60:.1f} min", end="", flush=True)
-        if state["step"] % cfg.checkpoint_every == 0:
+        eta = min(budget - state["seconds"], (total - step - 1) * state["seconds"] / (step + 1))
+        log(f"\rstep {step + 1}/{total} loss {loss.item():.3f} {progress} lr {rate:.1e} eta {max(eta, 0) / 60:.1f} min",
+            end="")
+        if state["step"] % checkpoint_every == 0:
             torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
     torch.save({"student": student.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
-    print()
+    log("")
+    return state
+
+
+def summary(state: dict) -> dict:
+    losses = state["losses"]
+    return {"steps": state["step"], "train_seconds": round(state["seconds"], 1),
+            "first_loss": losses[0] if losses else None,
+            "final_loss": round(sum(losses[-20:]) / max(len(losses[-20:]), 1), 4)}
+
+
+def train(student: Student, train_ex: list[dict], eval_ex: list[dict], vocab_map: torch.Tensor,
+          vocab_size: int, cfg: TrainConfig, ckpt: Path, log=log_flush) -> dict:
+    local_of = local_index(vocab_map, vocab_size)
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    epochs = [_batches(train_ex, cfg.batch_tokens, rng) for _ in range(cfg.max_epochs)]
+    plan = [b for ep in epochs for b in ep]
+    dev = student.head.weight.device
+
+    def step(batch: list[dict]):
+        ids, att, tid, tp, mask = _collate(batch, local_of)
+        loss = distill_loss(student(ids.to(dev), att.to(dev)), tid.to(dev), tp.to(dev), mask.to(dev))
+        return loss, f"({int(att.sum())} tokens)"
+
+    state = run_steps(student, plan, step, cfg.lr, cfg.warmup_steps, cfg.minutes, cfg.checkpoint_every, ckpt, log=log)
     result = evaluate(student, eval_ex, vocab_map, local_of)
-    result.update(steps=state["step"], train_seconds=round(state["seconds"], 1),
-                  first_loss=state["losses"][0] if state["losses"] else None,
-                  final_loss=sum(state["losses"][-20:]) / max(len(state["losses"][-20:]), 1))
+    result.update(summary(state))
     return result
 
 
