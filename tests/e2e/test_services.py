@@ -69,6 +69,20 @@ def opened(drafter) -> float:
 
 
 @pytest.fixture(scope="module")
+def feature():
+    """The drafter shipped for the bundled target: a feature drafter (EAGLE-style), so the verifier
+    sends the target's features with every open, extend and commit."""
+    from specmesh.drafters import bundled_drafter_path
+
+    port = free_port()
+    p = start("drafter_service", "--drafter", f"model:{bundled_drafter_path()}", "--threads", "1",
+              "--metrics-port", str(port))
+    p.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
 def oracle(reference_file):
     p = start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", reference_file, "--threads", "1")
     yield p
@@ -108,18 +122,21 @@ def run(addr: str, ids: list[int] | None = None, *, drafter: str = "", timeout: 
     return out, complete
 
 
-@pytest.mark.parametrize("which", ["none", "ngram", "oracle"])
+@pytest.mark.parametrize("which", ["none", "ngram", "oracle", "feature"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_identical_to_in_process(local, request, which, tp):
     _m, _t, cases = local
     addr = request.getfixturevalue("verifier" if tp == 1 else "verifier_tp2").address
     drafter = "" if which == "none" else request.getfixturevalue(which).address
+    accepted = 0
     for ids, expected in cases[: 4 if tp == 1 else 2]:
         out, complete = run(addr, ids, drafter=drafter)
         assert out == expected
         assert complete.usage.completion_tokens == len(expected)
-        if which == "oracle":
-            assert complete.speculation.accepted_tokens > 0
+        assert complete.speculation.drafter_timeouts == 0 or which == "none"
+        accepted += complete.speculation.accepted_tokens
+    if which in ("oracle", "feature"):
+        assert accepted > 0
 
 
 def test_seeded_sampling_reproducible(local, verifier, ngram):
@@ -132,16 +149,20 @@ def test_seeded_sampling_reproducible(local, verifier, ngram):
     assert all(0 <= t < 49152 for t in c)
 
 
-def test_second_turn_reuses_kv_cache(local, verifier, ngram):
-    """...the verifier's and the drafter's: turn 2 extends the drafter session of turn 1."""
+@pytest.mark.parametrize("which", ["ngram", "feature"])
+def test_second_turn_reuses_kv_cache(local, verifier, request, which):
+    """...the verifier's and the drafter's: turn 2 extends the drafter session of turn 1 (with the
+    target's features of the new tokens, for the feature drafter)."""
     model, tok, cases = local
+    drafter = request.getfixturevalue(which)
     ids, first = cases[0]
-    before = opened(ngram)
-    out1, c1 = run(verifier.address, ids, drafter=ngram.address, session_id="kv-1")
+    before = opened(drafter)
+    sid = f"kv-{which}"
+    out1, c1 = run(verifier.address, ids, drafter=drafter.address, session_id=sid)
     assert out1 == first and c1.usage.cached_prompt_tokens == 0
     follow = encode_prompt(tok, "And of Italy?", chat=True)
-    out2, c2 = run(verifier.address, follow, drafter=ngram.address, session_id="kv-1")
-    assert opened(ngram) == before + 1  # one drafter session for both turns (ExtendSession)
+    out2, c2 = run(verifier.address, follow, drafter=drafter.address, session_id=sid)
+    assert opened(drafter) == before + 1  # one drafter session for both turns (ExtendSession)
     assert c2.speculation.drafter_timeouts == 0  # every tree of turn 2 came from the extended session
     assert c2.usage.cached_prompt_tokens == len(ids) + len(out1)
     assert c2.usage.prompt_tokens == len(ids) + len(out1) + len(follow)
