@@ -102,14 +102,22 @@ def shapes(cfg: BenchConfig) -> list[tuple[str, SpecConfig]]:
     return out + [(f"tree b{b}", SpecConfig(b, tree_depth(b))) for b in cfg.tree_budgets]
 
 
-def teacher_forced_matches(draft: Transformer, prompt_ids: list[int], continuation: list[int]) -> int:
-    """Continuation positions where the drafter's argmax given the same prefix is the target's token."""
+def teacher_forced_matches(draft: Transformer, prompt_ids: list[int], continuation: list[int],
+                           target: Transformer) -> int:
+    """Continuation positions where the drafter's argmax given the same prefix is the target's token.
+    A feature drafter gets the target's features of that prefix (its first draft level: every
+    earlier token's feature is the target's)."""
     if not continuation:
         return 0
     seq = list(prompt_ids) + list(continuation[:-1])
-    cache = draft.new_cache(len(seq))
-    logits = draft(torch.tensor(seq), torch.arange(len(seq)), cache, 0,
-                   logits_rows=slice(len(prompt_ids) - 1, None))  # [len(continuation), vocab]
+    n = len(seq)
+    if draft.fc is None:
+        logits = draft(torch.tensor(seq), torch.arange(n), draft.new_cache(n), 0,
+                       logits_rows=slice(len(prompt_ids) - 1, None))  # [len(continuation), vocab]
+    else:  # rows j = (f_j, seq[j + 1]) predict seq[j + 2]; the first wanted is the prompt's last row - 1
+        _, feats = target(torch.tensor(seq), torch.arange(n), target.new_cache(n), 0, logits_rows=None, hidden=True)
+        logits = draft(torch.tensor(seq[1:]), torch.arange(1, n), draft.new_cache(n), 0,
+                       logits_rows=slice(len(prompt_ids) - 2, None), features=feats[:-1])
     return int((logits.argmax(-1) == torch.tensor(continuation)).sum())
 
 
@@ -117,19 +125,24 @@ def forward_step_seconds(models: list[Transformer], context: list[int], reps: in
     """Seconds of a one-token forward (with its logits) at the end of `context`, per model and rep;
     models alternate rep by rep so that machine noise hits all of them alike."""
     prefix, at = context[:-1], len(context) - 1
+
+    def feats(m: Transformer, rows: int) -> dict:  # a feature drafter's input (values do not matter here)
+        return {} if m.fc is None else {"features": torch.randn(rows, m.config.hidden_size)}
+
     caches = []
     for m in models:
         cache = m.new_cache(len(context))
         if prefix:
-            m(torch.tensor(prefix), torch.arange(at), cache, 0, logits_rows=None)
+            m(torch.tensor(prefix), torch.arange(at), cache, 0, logits_rows=None, **feats(m, at))
             cache.commit(list(range(at)))
         caches.append(cache)
     tok, pos = torch.tensor(context[-1:]), torch.tensor([at])
     times: list[list[float]] = [[] for _ in models]
     for _ in range(reps):
         for m, cache, ts in zip(models, caches, times):
+            f = feats(m, 1)
             t = time.perf_counter()
-            m(tok, pos, cache, at, logits_rows=slice(-1, None))  # the same scratch slot each rep
+            m(tok, pos, cache, at, logits_rows=slice(-1, None), **f)  # the same scratch slot each rep
             ts.append(time.perf_counter() - t)
     return times
 
@@ -200,7 +213,7 @@ def bench(target: Transformer, prompts: list[list[int]], candidates: list[Candid
         # 2. teacher-forced acceptance on the reference, 3. one-token forward times at this prompt
         nets = [c for c in candidates if c.model is not None]
         for c in nets:
-            stats[c.name].matches += teacher_forced_matches(c.model, ids, ref)
+            stats[c.name].matches += teacher_forced_matches(c.model, ids, ref, target)
             stats[c.name].positions += len(ref)
         times = forward_step_seconds([target] + [c.model for c in nets], ids, cfg.cost_reps)
         target_step_s += times[0]
@@ -228,8 +241,10 @@ def summarize(rows: list[ConfigRow], candidates: list[Candidate], stats: dict[st
         if c.model is not None:
             a = st.matches / max(st.positions, 1)
             draft_fwd = statistics.median(st.step_s)
-            d |= {"greedy_acceptance": round(a, 4), "acceptance_method": "teacher-forced argmax on the target's "
-                  "greedy continuation", "positions": st.positions, "draft_cost_c": round(draft_fwd / target_fwd, 4),
+            how = "teacher-forced argmax on the target's greedy continuation"
+            if c.model.fc is not None:
+                how += " (feature drafter: the target's features of every earlier token, i.e. its first draft level)"
+            d |= {"greedy_acceptance": round(a, 4), "acceptance_method": how, "positions": st.positions, "draft_cost_c": round(draft_fwd / target_fwd, 4),
                   "c_method": "median one-token forward, drafter / target, interleaved",
                   "draft_step_ms": round(1e3 * draft_fwd, 3), "target_step_ms": round(1e3 * target_fwd, 3)}
         else:
@@ -239,6 +254,7 @@ def summarize(rows: list[ConfigRow], candidates: list[Candidate], stats: dict[st
                   "draft_cost_c": round((chain.draft_s / max(chain.drafted, 1)) / decode_s, 4),
                   "c_method": "engine chain run: draft time per drafted token / plain decoding step"}
         d["E_chain_from_acceptance"] = round(expected_tokens_per_step(a, cfg.depth), 3)
+        d["engine_chain_E"] = round(chain.tokens / max(chain.steps, 1), 3)  # measured, not modelled
         drafters.append(d)
     c_of = {d["name"]: d["draft_cost_c"] for d in drafters}
 
@@ -275,12 +291,15 @@ def format_table(report: dict) -> str:
     lines = [f"commit {meta['commit']} · pair {meta['pair']} · {meta['num_prompts']} held-out chat prompts x "
              f"{meta['max_tokens']} tokens (stop at EOS) · {meta['torch_threads']} torch threads · chain depth "
              f"{meta['depth']}, trees depth clamp(budget // 2, 1, {MAX_TREE_DEPTH})", "",
-             "| drafter | greedy acceptance a | measured on | E chain from a | draft cost c |",
-             "|---|---|---|---|---|"]
+             "| drafter | greedy acceptance a | measured on | E chain from a | E chain measured | draft cost c |",
+             "|---|---|---|---|---|---|"]
     for d in report["drafters"]:
         how = "teacher-forced" if d["acceptance_method"].startswith("teacher") else "engine chain"
+        if "feature drafter" in d["acceptance_method"]:
+            how += ", first level"
+        measured = f"{d['engine_chain_E']:.2f}" if "engine_chain_E" in d else "–"
         lines.append(f"| {d['name']} | {d['greedy_acceptance']:.3f} | {how} ({d['positions']} tokens) | "
-                     f"{d['E_chain_from_acceptance']:.2f} | {d['draft_cost_c']:.3f} |")
+                     f"{d['E_chain_from_acceptance']:.2f} | {measured} | {d['draft_cost_c']:.3f} |")
     hf_col = " vs transformers |" if has_hf else ""
     lines += ["", f"| configuration | tok/s | vs specmesh none |{hf_col} tokens/step E | accept rate | seq. bound | "
               "hw bound | of hw bound | verify cost v | identical |",
@@ -327,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafters", default="ngram,model", help="comma list of: ngram, model")
     ap.add_argument("--drafter-dir", "--drafter-path", dest="drafter_path", default=None,
                     help="the model drafter (default: the pair's, specmesh.modelsets.model_path)")
+    ap.add_argument("--extra-drafter", action="append", default=[], metavar="DIR",
+                    help="another model drafter to compare in the same run (repeatable)")
     ap.add_argument("--target", default=None, help="the target (default: the pair's)")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 8; coder pair 3)")
     ap.add_argument("--max-tokens", type=int, default=None, help="per generation (default 64; coder pair 48)")
@@ -364,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{e} (or pass --target / --drafter-dir, or --drafters ngram)")
     tok = load_tokenizer(target_path)
     candidates = [Candidate("ngram", NgramDrafter())] if "ngram" in kinds else []
+    paths = {"ngram": "ngram (prompt/suffix lookup)"}
     peer = None
     if coder and not args.no_hf:
         target, hf_target = _load_shared(target_path)
@@ -373,12 +395,14 @@ def main(argv: list[str] | None = None) -> int:
             if draft.config.vocab_size != target.config.vocab_size:
                 raise ValueError(f"drafter: vocabulary {draft.config.vocab_size} != {target.config.vocab_size}")
             candidates.append(Candidate(f"model:{Path(draft_path).name}", ModelDrafter(draft), draft))
+            paths[candidates[-1].name] = draft_path
         peer = Peer(hf_target, hf_draft)
     else:
         target = load_model(target_path)
-        if draft_path:
-            drafter = make_drafter("model", draft_path, target)
-            candidates.append(Candidate(f"model:{Path(draft_path).name}", drafter, drafter.model))
+        for path in ([draft_path] if draft_path else []) + args.extra_drafter:
+            drafter = make_drafter("model", path, target)
+            candidates.append(Candidate(f"model:{Path(path).name}", drafter, drafter.model))
+            paths[candidates[-1].name] = path
     n_prompts = 1 if args.quick else args.prompts or (3 if coder else 8)
     budgets = "8" if args.quick or (coder and args.tree_budgets is None) else args.tree_budgets or "1,4,8,16"
     eos = tok.eos_token_id
@@ -392,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     report = bench(target, [encode_prompt(tok, t, chat=True) for t in texts], candidates, cfg, peer)
     report["meta"] = base_meta() | {
         "pair": args.pair, "target": Path(target_path).name,
-        "drafters": {c.name: (draft_path if c.model is not None else "ngram (prompt/suffix lookup)")
-                     for c in candidates},
+        "drafters": {c.name: paths[c.name] for c in candidates},
         "num_prompts": len(texts), "prompts": texts, "prompt_split": "heldout (specmesh.distill.prompts)",
         "max_tokens": cfg.max_tokens, "stop_at_eos": eos, "depth": cfg.depth, "tree_budgets": list(cfg.tree_budgets),
         "tree_depth": f"clamp(budget // 2, 1, {MAX_TREE_DEPTH})", "cost_reps_per_prompt": cfg.cost_reps,

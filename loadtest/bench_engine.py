@@ -76,9 +76,13 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
 
 
 def _commit() -> str:
+    """HEAD's short hash, with "+dirty" when tracked files differ from it (the code measured is not
+    exactly that commit's)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True).returncode != 0
+        return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
