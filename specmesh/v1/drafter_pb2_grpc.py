@@ -27,14 +27,6 @@ if _version_not_supported:
 
 class DrafterStub:
     """A drafter serves many sessions over one bidirectional stream per verifier connection.
-
-    Feature drafters (EAGLE-style) draft from the target's final hidden states. A drafter announces
-    what it needs in the stream's initial metadata, sent as soon as the stream opens:
-    "specmesh-feature-dim" = the hidden size it takes, "0" for none. When it is not 0, the verifier
-    sends `features` with every OpenSession, ExtendSession and CommitStep: fp16, little-endian,
-    row-major [rows, feature_dim], row r the target's state at the token *before* the r-th token
-    the message commits (so OpenSession carries len(context) - 1 rows, ExtendSession len(tokens),
-    CommitStep len(accepted) + 1). Otherwise `features` stays empty.
     """
 
     def __init__(self, channel):
@@ -52,14 +44,6 @@ class DrafterStub:
 
 class DrafterServicer:
     """A drafter serves many sessions over one bidirectional stream per verifier connection.
-
-    Feature drafters (EAGLE-style) draft from the target's final hidden states. A drafter announces
-    what it needs in the stream's initial metadata, sent as soon as the stream opens:
-    "specmesh-feature-dim" = the hidden size it takes, "0" for none. When it is not 0, the verifier
-    sends `features` with every OpenSession, ExtendSession and CommitStep: fp16, little-endian,
-    row-major [rows, feature_dim], row r the target's state at the token *before* the r-th token
-    the message commits (so OpenSession carries len(context) - 1 rows, ExtendSession len(tokens),
-    CommitStep len(accepted) + 1). Otherwise `features` stays empty.
     """
 
     def Draft(self, request_iterator, context):
@@ -86,14 +70,6 @@ def add_DrafterServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Drafter:
     """A drafter serves many sessions over one bidirectional stream per verifier connection.
-
-    Feature drafters (EAGLE-style) draft from the target's final hidden states. A drafter announces
-    what it needs in the stream's initial metadata, sent as soon as the stream opens:
-    "specmesh-feature-dim" = the hidden size it takes, "0" for none. When it is not 0, the verifier
-    sends `features` with every OpenSession, ExtendSession and CommitStep: fp16, little-endian,
-    row-major [rows, feature_dim], row r the target's state at the token *before* the r-th token
-    the message commits (so OpenSession carries len(context) - 1 rows, ExtendSession len(tokens),
-    CommitStep len(accepted) + 1). Otherwise `features` stays empty.
     """
 
     @staticmethod
