@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import grpc
 
 from drafter_service.sessions import SessionStore
-from specmesh.convert import features_from_pb, sampling_from_pb, tree_to_pb
+from specmesh.convert import FEATURE_DIM_KEY, features_from_pb, sampling_from_pb, tree_to_pb
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import DraftAhead, StepTree
 from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES
@@ -47,7 +47,6 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 log = logging.getLogger(__name__)
 
 _END = object()  # end of the request stream
-FEATURE_DIM_KEY = "specmesh-feature-dim"  # initial metadata of the Draft stream (drafter.proto)
 
 
 class RequestError(ValueError):

@@ -48,6 +48,7 @@ def tree_to_pb(tree: DraftTree) -> common_pb2.DraftTree:
 
 
 FEATURE_DTYPE = torch.float16  # target features on the wire (drafter.proto)
+FEATURE_DIM_KEY = "specmesh-feature-dim"  # the Draft stream's initial metadata: the width a drafter takes
 
 
 def features_to_pb(features: torch.Tensor | None) -> bytes:

@@ -23,7 +23,7 @@ import uuid
 
 import grpc
 
-from specmesh.convert import features_to_pb, sampling_to_pb, tree_from_pb
+from specmesh.convert import FEATURE_DIM_KEY, features_to_pb, sampling_to_pb, tree_from_pb
 from specmesh.drafters.base import common_prefix
 from specmesh.engine import SpecConfig, TargetSession
 from specmesh.sampling import SamplingParams, VerifyResult
@@ -33,7 +33,6 @@ from specmesh.v1 import drafter_pb2 as pb
 from specmesh.v1 import drafter_pb2_grpc
 
 _DEAD = object()  # wakes waiters of a broken link
-FEATURE_DIM_KEY = "specmesh-feature-dim"  # the drafter's initial metadata (drafter.proto)
 METADATA_WAIT_S = 5.0  # how long a new link waits for the drafter's initial metadata
 
 
