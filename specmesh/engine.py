@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from specmesh.drafters.base import Drafter, DraftSession
+from specmesh.drafters.base import Drafter, DraftSession, FeatureRows
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, VerifyResult, make_generator, verify_tree
 from specmesh.text import first_stop
@@ -61,26 +61,20 @@ class TargetSession:
         self.cache = model.new_cache(len(prompt_ids) + 64)
         self.tokens: list[int] = []
         self.pending: int = -1
-        # [capacity, H] fp16, the first len(tokens) - 1 rows used (grown by doubling, not per step)
-        self._features = torch.empty(len(prompt_ids) + 64, model.config.hidden_size,
-                                     dtype=torch.float16) if features else None
+        # fp16, len(tokens) - 1 rows: the state after each committed token but the pending one
+        self._features = FeatureRows(model.config.hidden_size, len(prompt_ids) + 64,
+                                     torch.float16) if features else None
         self.extend(prompt_ids)
 
     @property
     def features(self) -> torch.Tensor | None:
         """[len(tokens) - 1, H]: the target's state after each committed token but the pending one."""
-        return None if self._features is None else self._features[:max(len(self.tokens) - 1, 0)]
+        return None if self._features is None else self._features.view()
 
     def _keep_features(self, hidden: torch.Tensor, rows: list[int] | None = None) -> None:
         """Store the states that pair with the tokens about to be committed (call before committing)."""
-        h = hidden if rows is None else hidden[rows]
-        at = max(len(self.tokens) - 1, 0)
-        buf = self._features
-        if at + len(h) > buf.shape[0]:
-            grown = buf.new_empty(max(2 * buf.shape[0], at + len(h)), buf.shape[1])
-            grown[:at] = buf[:at]
-            self._features = buf = grown
-        buf[at:at + len(h)] = h.to("cpu", torch.float16)
+        self._features.truncate(max(len(self.tokens) - 1, 0))
+        self._features.append(hidden if rows is None else hidden[rows])
 
     def new_features(self, count: int) -> torch.Tensor | None:
         """The rows that pair with the last `count` committed tokens (None when this session keeps

@@ -115,6 +115,40 @@ def children_from_probs(
     )
 
 
+class FeatureRows:
+    """A growing [n, width] matrix of per-token rows (a feature drafter's target features): append
+    and truncate cost what they write, not the history (capacity doubles), so a long session pays
+    O(1) per step instead of a copy of everything it kept."""
+
+    def __init__(self, width: int, capacity: int, dtype: torch.dtype) -> None:
+        self._buf = torch.empty(max(capacity, 1), width, dtype=dtype)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def width(self) -> int:
+        return self._buf.shape[1]
+
+    def view(self) -> torch.Tensor:
+        """[n, width], a view: valid until the next append."""
+        return self._buf[:self._n]
+
+    def truncate(self, n: int) -> None:
+        assert 0 <= n <= self._n, (n, self._n)
+        self._n = n
+
+    def append(self, rows: torch.Tensor) -> None:
+        end = self._n + rows.shape[0]
+        if end > self._buf.shape[0]:
+            grown = self._buf.new_empty(max(2 * self._buf.shape[0], end), self.width)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        self._buf[self._n:end] = rows.to(self._buf.device, self._buf.dtype)
+        self._n = end
+
+
 def node_mask(paths: list[tuple[int, ...]], context_rows: int, at: int,
               slot_of: dict[tuple[int, ...], int]) -> torch.Tensor:
     """[T, at + T] bool for feeding one tree level at scratch slots [at, at + T): each node sees the

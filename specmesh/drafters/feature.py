@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.drafters.base import Children, children_from_probs, grow_tree, node_mask
+from specmesh.drafters.base import Children, FeatureRows, children_from_probs, grow_tree, node_mask
 from specmesh.drafters.model import _probs
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
@@ -57,7 +57,8 @@ class FeatureDraftSession:
     def __init__(self, model: Transformer, context: list[int], features: torch.Tensor) -> None:
         self.model = model
         self.context = context
-        self.features = features.float()  # [len(context) - 1, H]: features[j] pairs with context[j + 1]
+        self.features = FeatureRows(features.shape[1], len(context) + 64, torch.float32)
+        self.features.append(features)  # len(context) - 1 rows: row j pairs with context[j + 1]
         self.cache = model.new_cache(len(context) + 64)  # row j = the pair (features[j], context[j + 1])
         self._predicted: dict[tuple[int, ...], torch.Tensor] = {}  # last tree: path -> its predicted feature
 
@@ -68,7 +69,7 @@ class FeatureDraftSession:
     def rollback(self, num_tokens: int) -> None:
         assert 1 <= num_tokens <= len(self.context)
         del self.context[num_tokens:]
-        self.features = self.features[:num_tokens - 1]
+        self.features.truncate(num_tokens - 1)
         self.cache.truncate(min(self.cache.length, num_tokens - 1))
         self._predicted = {}
 
@@ -81,13 +82,15 @@ class FeatureDraftSession:
             rows = [self._predicted.get(tuple(tokens[:k])) for k in range(len(tokens))]
             if any(r is None for r in rows):
                 raise ValueError("features: committed tokens off the last tree need the target's features")
-            features = torch.stack(rows) if rows else self.features[:0]  # type: ignore[arg-type]
+            features = torch.stack(rows) if rows else self.features.view()[:0]  # type: ignore[arg-type]
         extra = features.shape[0] - len(tokens)
-        if features.dim() != 2 or features.shape[1] != self.features.shape[1] or not 0 <= extra < len(self.context):
-            raise ValueError(f"features: expected [{len(tokens)}(+k), {self.features.shape[1]}] for {len(tokens)} "
+        width = self.features.width
+        if features.dim() != 2 or features.shape[1] != width or not 0 <= extra < len(self.context):
+            raise ValueError(f"features: expected [{len(tokens)}(+k), {width}] for {len(tokens)} "
                              f"tokens, got {tuple(features.shape)}")
         keep = len(self.features) - extra
-        self.features = torch.cat([self.features[:keep], features.float()])
+        self.features.truncate(keep)
+        self.features.append(features)
         self.cache.truncate(min(self.cache.length, keep))
         self.context.extend(tokens)
         # the next tree's root is the last committed token: keep what was predicted below it
@@ -105,7 +108,7 @@ class FeatureDraftSession:
         cache.truncate(start)
         logits, hidden = model(
             torch.tensor(self.context[start + 1:]), torch.arange(start + 1, n), cache, start,
-            logits_rows=slice(-1, None), features=self.features[start:], hidden=True,
+            logits_rows=slice(-1, None), features=self.features.view()[start:], hidden=True,
         )  # [1, V], [n - 1 - start, H]
         cache.commit(list(range(start, n - 1)))
         root_probs = _probs(logits, params)[0]  # [V]
