@@ -82,6 +82,35 @@ def test_distillation_learns_and_export_loads_into_the_runtime(tiny, tmp_path):
         assert res.token_ids == plain and res.stats.steps < len(plain)
 
 
+def test_batched_greedy_data_is_each_prompts_own_greedy_decoding(tiny):
+    """The data generator (many prompts per forward, each with its own cache) records exactly what
+    single-sequence greedy decoding produces, stops each row at its EOS (kept), and its features
+    are the teacher-forced ones."""
+    from specmesh.distill.data import greedy_batch
+    from specmesh.distill.feature import target_features
+
+    _cfg, _hf, target, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    prompts_ = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 5, 12)]
+    ref = [generate(target, p, SamplingParams(), StopConditions(10)).token_ids for p in prompts_]
+    eos = {ref[1][3]}  # row 1 must stop at its 4th token; others may too, wherever it appears
+    want = []
+    for r in ref:
+        cut = next((k + 1 for k, t in enumerate(r) if t in eos), len(r))
+        want.append(r[:cut])
+    assert len(want[1]) <= 4
+    for ex, p, w in zip(greedy_batch(target, prompts_, 10, eos, features=True), prompts_, want):
+        assert ex["tokens"].tolist() == p + w and ex["start"] == len(p)
+        assert ex["topk_ids"][:, 0].tolist() == w  # the recorded top-1 is the token taken
+        assert ex["topk_p"].shape == (len(w), 8) and (ex["topk_p"].float().sum(-1) <= 1.001).all()
+        assert (ex["topk_p"][:, :-1] >= ex["topk_p"][:, 1:]).all()
+        torch.testing.assert_close(ex["feats"].float(), target_features(target, ex["tokens"]).float(),
+                                   rtol=2e-3, atol=2e-3)
+    plain = greedy_batch(target, prompts_, 10, eos)
+    assert [e["tokens"].tolist() for e in plain] == [p + w for p, w in zip(prompts_, want)]
+    assert all("feats" not in e for e in plain)
+
+
 def test_reduced_vocab_weights_must_carry_their_map(tiny, tmp_path):
     cfg, hf, target, examples = tiny
     vocab_map = train.choose_vocab(examples, 40, VOCAB, always=[1])
@@ -109,6 +138,27 @@ def bundled():
 
     torch.set_num_threads(2)
     return load_target(None)
+
+
+def test_chat_data_goes_through_the_chat_template_in_resumable_shards(bundled, tmp_path):
+    from specmesh.distill.data import generate_chat, load_examples
+    from specmesh.runtime import encode_prompt
+
+    model, tok = bundled
+    texts = ["Name a colour.", "Write one sentence about the history of tea in China.", "Hi."]
+    eos = {tok.eos_token_id}
+    assert generate_chat(model, tok, texts, tmp_path, 4, eos, batch_size=2, features=True) == 3
+    shards = sorted(tmp_path.glob("chat-*.pt"))
+    assert len(shards) == 2
+    stamp = [s.stat().st_mtime_ns for s in shards]
+    examples = load_examples(tmp_path)
+    assert [e["prompt"] for e in examples] == ["Hi.", "Name a colour.", texts[1]]  # shortest first
+    for e in examples:
+        ids = encode_prompt(tok, e["prompt"], chat=True)
+        assert e["tokens"][:e["start"]].tolist() == ids and 1 <= len(e["topk_ids"]) <= 4
+        assert e["feats"].shape == (len(e["tokens"]), model.config.hidden_size)
+    generate_chat(model, tok, texts, tmp_path, 4, eos, batch_size=2, features=True)  # resumes: nothing to do
+    assert [s.stat().st_mtime_ns for s in shards] == stamp
 
 
 def test_shipped_drafter_is_the_default_for_the_bundled_target():

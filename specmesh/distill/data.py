@@ -21,20 +21,9 @@ from pathlib import Path
 
 import torch
 
+from specmesh.model import Segment, Transformer
+
 TOPK = 8
-
-
-class _TopK:
-    """A logits processor that records the top-k of every generation step and changes nothing."""
-
-    def __init__(self, k: int) -> None:
-        self.k, self.steps = k, []
-
-    def __call__(self, input_ids, scores):
-        p = torch.softmax(scores.float(), dim=-1)
-        v, i = p.topk(self.k, dim=-1)
-        self.steps.append((i.to(torch.int32), v.half()))
-        return scores
 
 
 def _progress(done: int, total: int, t0: float, what: str) -> None:
@@ -43,50 +32,86 @@ def _progress(done: int, total: int, t0: float, what: str) -> None:
     print(f"\r{what}: {done}/{total} [{rate:.1f}/s, eta {eta/60:.1f} min]", end="", flush=True)
 
 
-def generate_chat(model, tokenizer, prompts: list[str], out_dir: Path, max_new_tokens: int,
-                  batch_size: int = 48, max_batches: int = 0) -> int:
-    """Greedy responses of the target to `prompts`, in shards under out_dir (resumable).
+@torch.inference_mode()
+def greedy_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                 features: bool = False) -> list[dict]:
+    """Greedy continuations of several prompts at once on our runtime, one example per prompt.
+
+    Each prompt keeps its own KV cache (no padding); every step is one batched forward over the
+    rows still running (`Transformer.forward_batch`), so the weights are read once per step for
+    all of them. A row stops after an id in `eos` (kept: the drafter should learn when the target
+    stops) or `max_new_tokens`. Per response position: the target's top-`TOPK` ids and
+    probabilities (softmax over the full vocabulary; ids[:, 0] is the token taken). With
+    `features`, also the target's final hidden state (before its norm) at every token, prompt
+    included — what a feature drafter trains on — taken from these same forwards.
+    """
+    dev = model.lm_head.weight.device
+    rows = [{"tokens": list(p), "start": len(p), "ids": [], "p": [], "h": [], "done": False} for p in prompts]
+    segs = [Segment(torch.tensor(p, device=dev), torch.arange(len(p), device=dev),
+                    model.new_cache(len(p) + max_new_tokens + 1), 0, logits_rows=slice(-1, None), want_hidden=features)
+            for p in prompts]
+    live = list(range(len(rows)))
+    while live:
+        logits = model.forward_batch([segs[i] for i in live])
+        wanted = [out[-1:] for out in logits if out is not None]
+        if wanted:
+            top_p, top_ids = torch.softmax(torch.cat(wanted).float(), dim=-1).topk(TOPK)
+            top_p, top_ids = top_p.half().cpu(), top_ids.to(torch.int32).cpu()
+        still, k = [], -1
+        for i in live:
+            r, s = rows[i], segs[i]
+            if features:
+                r["h"].append(s.hidden.half().cpu())
+            if r["done"]:  # its last token has now been fed (no logits asked): its hidden state is in
+                continue
+            k += 1
+            r["ids"].append(top_ids[k])
+            r["p"].append(top_p[k])
+            nxt = int(top_ids[k, 0])
+            r["tokens"].append(nxt)
+            r["done"] = nxt in eos or len(r["ids"]) >= max_new_tokens
+            if r["done"] and not features:
+                continue
+            pos = len(r["tokens"]) - 1
+            segs[i] = Segment(torch.tensor([nxt], device=dev), torch.tensor([pos], device=dev), s.cache, pos,
+                              logits_rows=None if r["done"] else slice(None), want_hidden=features)
+            still.append(i)
+        live = still
+    out = []
+    for r in rows:
+        ex = {"tokens": torch.tensor(r["tokens"], dtype=torch.int32), "start": r["start"],
+              "topk_ids": torch.stack(r["ids"]), "topk_p": torch.stack(r["p"]), "kind": "chat"}
+        if features:
+            ex["feats"] = torch.cat(r["h"])  # [len(tokens), hidden]
+        out.append(ex)
+    return out
+
+
+def generate_chat(model: Transformer, tokenizer, prompts: list[str], out_dir: Path, max_new_tokens: int,
+                  eos: set[int], batch_size: int = 16, max_batches: int = 0, features: bool = False) -> int:
+    """The target's greedy responses to `prompts` (through its chat template), in shards under
+    out_dir (resumable), generated on our runtime (`greedy_batch`): the model that serves is the
+    one whose outputs the drafter learns.
 
     Prompts are generated shortest first, `batch_size` at a time; `max_batches` > 0 stops after
     that many batches (the shortest prompts). Returns the number of prompts covered.
     """
-    from transformers import LogitsProcessorList
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in prompts]
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    from specmesh.runtime import encode_prompt
+
+    ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     if max_batches > 0:
         batches = batches[:max_batches]
-    eos = tokenizer.eos_token_id
     t0 = time.perf_counter()
     for b, idx in enumerate(batches):
         path = out_dir / f"chat-{b:05d}.pt"
         if path.exists():
             continue
-        enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
-        rec = _TopK(TOPK)
-        with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 logits_processor=LogitsProcessorList([rec]), pad_token_id=tokenizer.pad_token_id)
-        plen = enc.input_ids.shape[1]
-        ids = torch.stack([s[0] for s in rec.steps], dim=1)  # [B, steps, k]
-        probs = torch.stack([s[1] for s in rec.steps], dim=1)
-        examples = []
-        for row, i in enumerate(idx):
-            prompt = enc.input_ids[row][enc.attention_mask[row].bool()]
-            resp = out[row, plen:]
-            n = len(resp)
-            hits = (resp == eos).nonzero()
-            if len(hits):
-                n = int(hits[0]) + 1  # keep the EOS: the drafter should learn when the target stops
-            tokens = torch.cat([prompt, resp[:n]]).to(torch.int32)
-            examples.append({"tokens": tokens, "start": len(prompt), "topk_ids": ids[row, :n].clone(),
-                             "topk_p": probs[row, :n].clone(), "kind": "chat", "prompt": prompts[i]})
+        examples = greedy_batch(model, [ids[i] for i in idx], max_new_tokens, eos, features)
+        for e, i in zip(examples, idx):
+            e["prompt"] = prompts[i]
         torch.save(examples, path)
         _progress(b + 1, len(batches), t0, "chat batches")
     print()

@@ -2,8 +2,9 @@
 
 Data: the same examples as the token-level student (`data.py`: the target's greedy chat answers
 plus teacher-forced local text, with the target's top-k at every position), plus the target's
-final hidden state (before its norm) at every token — one teacher-forced forward of our runtime
-per example, cached next to the data (fp16).
+final hidden state (before its norm) at every token: chat examples carry theirs from the forwards
+that generated them (`data.greedy_batch`); the corpus examples get one teacher-forced forward of
+our runtime each, cached next to the data (fp16).
 
 Student: `fc([f_j ; embed(t_{j+1})])` -> one decoder layer (initialised from the target's last)
 -> the target's final norm -> a reduced-vocabulary head (the target's rows for the `draft_vocab`
@@ -63,19 +64,23 @@ def target_features(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def add_features(model: Transformer, examples: list[dict], path: Path, log=log_flush) -> None:
-    """Attach `feats` to every example, computed once and cached in `path` (resumable by file)."""
+    """Attach `feats` to every example that has none yet (chat examples generated with
+    `features=True` carry theirs), computed once and cached in `path` (resumable by file)."""
+    todo = [e for e in examples if "feats" not in e]
+    if not todo:
+        return
     if path.exists():
         feats = torch.load(path, weights_only=True)
-        if len(feats) == len(examples) and all(len(f) == len(e["tokens"]) for f, e in zip(feats, examples)):
-            for e, f in zip(examples, feats):
+        if len(feats) == len(todo) and all(len(f) == len(e["tokens"]) for f, e in zip(feats, todo)):
+            for e, f in zip(todo, feats):
                 e["feats"] = f
             return
     t0, feats = time.perf_counter(), []
-    for i, e in enumerate(examples):
+    for i, e in enumerate(todo):
         feats.append(target_features(model, e["tokens"]))
         e["feats"] = feats[-1]
-        if (i + 1) % 20 == 0 or i + 1 == len(examples):
-            log(f"\rtarget features: {i + 1}/{len(examples)} [{time.perf_counter() - t0:.0f} s]", end="")
+        if (i + 1) % 20 == 0 or i + 1 == len(todo):
+            log(f"\rtarget features: {i + 1}/{len(todo)} [{time.perf_counter() - t0:.0f} s]", end="")
     log("")
     torch.save(feats, path)
 

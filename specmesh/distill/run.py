@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=4096)
-    p.add_argument("--gen-batch", type=int, default=48, help="prompts generated at once")
+    p.add_argument("--gen-batch", type=int, default=16,
+                   help="prompts generated at once (16: every decode step stays in the small-M CPU kernel)")
     p.add_argument("--chat-batches", type=int, default=0,
                    help="generate only this many batches of training prompts, shortest first (0 = all)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -53,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specmesh.distill import data, prompts, train
-    from specmesh.loader import _sha256, bundled_target_path, resolve_folder
+    from specmesh.loader import _sha256, bundled_target_path, load_model, resolve_folder
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,10 +71,16 @@ def main(args: argparse.Namespace) -> int:
     # 1. data
     train_prompts = prompts.prompts("train")[: args.prompts]
     held_prompts = prompts.prompts("heldout")[: args.heldout_prompts]
-    n_chat = data.generate_chat(hf, tok, train_prompts, work / "train", args.max_new_tokens, args.gen_batch,
-                                args.chat_batches)
+    runtime = load_model(target).to(device)  # generates the chat data (and, for --kind feature, its features)
+    eos = {t for x in (tok.eos_token_id, hf.config.eos_token_id) for t in (x if isinstance(x, list) else [x])
+           if t is not None}
+    feats = args.kind == "feature"
+    n_chat = data.generate_chat(runtime, tok, train_prompts, work / "train", args.max_new_tokens, eos,
+                                args.gen_batch, args.chat_batches, feats)
     data.teacher_force_corpus(hf, tok, data.corpus_texts(args.corpus_chars, args.seed), work / "train")
-    data.generate_chat(hf, tok, held_prompts, work / "heldout", min(args.max_new_tokens, 128), args.gen_batch)
+    data.generate_chat(runtime, tok, held_prompts, work / "heldout", min(args.max_new_tokens, 128), eos,
+                       args.gen_batch, 0, feats)
+    del runtime
     t_data = time.perf_counter() - t0
     train_ex = data.load_examples(work / "train")
     held_ex = data.load_examples(work / "heldout")
@@ -81,8 +88,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"data: {len(train_ex)} examples, {n_tokens} supervised tokens; held-out {len(held_ex)}", file=sys.stderr)
 
     # 2. student + training
-    eos = [t for t in {tok.eos_token_id, hf.config.eos_token_id} if t is not None]
-    vocab_map = train.choose_vocab(train_ex, args.draft_vocab, hf.config.vocab_size, eos)
+    vocab_map = train.choose_vocab(train_ex, args.draft_vocab, hf.config.vocab_size, sorted(eos))
     embed = {"sha256": _sha256(target), "path": str(target)} if target.suffix == ".gguf" else None
     base_recipe = {
         "command": "specmesh train-drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
