@@ -205,3 +205,38 @@ def test_generate_cli_defaults_to_the_shipped_drafter_and_is_lossless():
     assert auto["stats"]["drafter"] == f"model:{bundled_drafter_path()}"
     assert auto["token_ids"] == plain["token_ids"]
     assert auto["stats"]["accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_train_drafter_cli_runs_every_stage_on_a_small_target(bundled, tmp_path):
+    """`specmesh train-drafter` end to end (data on our runtime, corpus, training, held-out
+    evaluation, export) on a tiny random target that uses the bundled tokenizer and chat
+    template; the export loads and drafts losslessly for that target."""
+    from transformers import LlamaConfig
+
+    from tests.tiny_models import random_hf_model
+
+    _model, tok = bundled
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    target_dir, out = tmp_path / "target", tmp_path / "drafter"
+    random_hf_model(cfg, seed=1).save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    cmd = [sys.executable, "-m", "specmesh.cli", "train-drafter", "--target", str(target_dir), "--out", str(out),
+           "--kind", "token", "--layers", "1", "--prompts", "6", "--heldout-prompts", "2", "--max-new-tokens", "8",
+           "--corpus-chars", "3000", "--minutes", "0.1", "--gen-batch", "4", "--draft-vocab", "256",
+           "--threads", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["command"].startswith("specmesh train-drafter --target")
+    assert recipe["data"]["examples"] > 6 and recipe["heldout"]["prompts"] == 2
+    assert len(list((out / "work" / "train").glob("chat-*.pt"))) == 2  # 6 prompts, 4 per batch
+    target, drafter = load_model(target_dir), load_model(out)
+    assert drafter.vocab_map is not None and len(drafter.vocab_map) == 256
+    ids = tok.encode("def add(a, b):", add_special_tokens=False)
+    stop = StopConditions(12)
+    plain = generate(target, ids, SamplingParams(), stop).token_ids
+    spec = generate(target, ids, SamplingParams(), stop, ModelDrafter(drafter), SpecConfig(4, 4)).token_ids
+    assert spec == plain

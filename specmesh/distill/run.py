@@ -2,9 +2,10 @@
 
 Every stage resumes: data shards already written are kept, training restarts from its last
 checkpoint, so the same command can be run again after an interruption. On CPU the defaults
-(about 1,150 prompts, 192 new tokens each, 150k corpus tokens, a 35-minute training budget) take
-about an hour for the bundled SmolLM2-135M target on 2 cores; with CUDA present, generation and
-training run on the GPU.
+(1,152 prompts, up to 128 new tokens each, generated on our runtime at ~80 tokens/s; 100k
+characters of corpus; a 30-minute training budget) take about an hour for the bundled
+SmolLM2-135M target on 2 cores. The shipped drafter's recipe (`recipe.json`) uses more prompts.
+With CUDA present, generation and training run on the GPU.
 """
 
 from __future__ import annotations
@@ -26,21 +27,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default=None, help="data and checkpoints (default: OUT/work)")
     p.add_argument("--prompts", type=int, default=1152, help="training chat prompts (of 2,966 built in)")
     p.add_argument("--heldout-prompts", type=int, default=96)
-    p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--corpus-chars", type=int, default=600_000, help="local Python sources / docs, teacher-forced")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--corpus-chars", type=int, default=100_000, help="local Python sources / docs, teacher-forced")
     p.add_argument("--kind", choices=("feature", "token"), default="feature",
                    help="feature: EAGLE-style, drafts from the target's hidden states (one layer); "
                         "token: a small causal LM cut from the target (--layers)")
     p.add_argument("--layers", type=int, default=2, help="token kind: decoder layers (the target's first N)")
-    p.add_argument("--depths", type=int, default=3, help="feature kind: draft levels unrolled in training")
+    p.add_argument("--depths", type=int, default=2, help="feature kind: draft levels unrolled in training")
     p.add_argument("--init", default="target",
                    help="feature kind: 'target' (one layer, the target's last) or 'token:DIR' (start from a "
                         "trained token-level drafter: its layers, norm, head and vocabulary)")
     p.add_argument("--reg-weight", type=float, default=None,
                    help="feature kind: feature regression weight (default 0.2 for --init target, 0 for token:DIR)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the drafter's head scores")
-    p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    p.add_argument("--lr", type=float, default=None, help="default 2e-3 (feature), 1e-3 (token)")
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--gen-batch", type=int, default=16,
                    help="prompts generated at once (16: every decode step stays in the small-M CPU kernel)")
@@ -110,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
                               t0, t_data, device, len(held_prompts))
     hf = hf.cpu() if device == "cpu" else hf
     student = train.build_student(hf, args.layers, vocab_map).to(device)
-    cfg = train.TrainConfig(layers=args.layers, draft_vocab=args.draft_vocab, lr=args.lr,
+    cfg = train.TrainConfig(layers=args.layers, draft_vocab=args.draft_vocab, lr=args.lr or 1e-3,
                             batch_tokens=args.batch_tokens, minutes=args.minutes, seed=args.seed)
     local_of = train.local_index(vocab_map, hf.config.vocab_size)
     before = train.evaluate(student.cpu(), held_ex, vocab_map, local_of)
@@ -168,8 +169,8 @@ def _train_feature(args, target: Path, folder: Path, train_ex: list[dict], held_
     vocab_size = model.config.vocab_size
     del model
     reg = args.reg_weight if args.reg_weight is not None else (0.2 if args.init == "target" else 0.0)
-    cfg = feature.FeatureTrainConfig(draft_vocab=len(vocab_map), depths=args.depths, reg_weight=reg, lr=args.lr,
-                                     minutes=args.minutes, seed=args.seed)
+    cfg = feature.FeatureTrainConfig(draft_vocab=len(vocab_map), depths=args.depths, reg_weight=reg,
+                                     lr=args.lr or 2e-3, minutes=args.minutes, seed=args.seed)
     local_of = feature.local_index(vocab_map, vocab_size)
     before = feature.evaluate(student, held_ex, local_of, cfg.depths, sigma)
     student.to(device)
