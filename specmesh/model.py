@@ -253,7 +253,7 @@ class Transformer(nn.Module):
             if any(s.features is None or s.features.shape != (s.tokens.shape[0], h.shape[1]) for s in segments):
                 raise ValueError("features: a feature drafter needs one target feature per token")
             feats = torch.cat([s.features for s in segments]) if len(segments) > 1 else segments[0].features
-            h = self.fc(torch.cat([feats.to(h.dtype), h], dim=-1))  # [T, hidden]
+            h = self.fc(torch.cat([feats.to(h.device, h.dtype), h], dim=-1))  # [T, hidden]
         reduce = self.tp_all_reduce
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn(layer.input_layernorm(h), cos, sin, segments, i)
