@@ -229,6 +229,11 @@ def test_train_drafter_cli_runs_every_stage_on_a_small_target(bundled, tmp_path)
            "--threads", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    # A feature drafter needs a GGUF target (it shares its embeddings): refused before any data is made.
+    feat = subprocess.run([*cmd[:cmd.index("--out") + 1], str(tmp_path / "feature"), "--kind", "feature"],
+                          capture_output=True, text=True, timeout=600)
+    assert feat.returncode != 0 and "needs a .gguf target" in feat.stderr, feat.stderr[-2000:]
+    assert not (tmp_path / "feature").exists()
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["command"].startswith("specmesh train-drafter --target")
     assert recipe["data"]["examples"] > 6 and recipe["heldout"]["prompts"] == 2

@@ -72,7 +72,9 @@ def main(args: argparse.Namespace) -> int:
     # 1. data
     train_prompts = prompts.prompts("train")[: args.prompts]
     held_prompts = prompts.prompts("heldout")[: args.heldout_prompts]
-    runtime = load_model(target).to(device)  # generates the chat data (and, for --kind feature, its features)
+    if args.kind == "feature" and target.suffix != ".gguf":  # before the data stage, not after it
+        raise ValueError("target: a feature drafter shares the target's embeddings, which needs a .gguf target")
+    runtime = load_model(target).to(device)  # generates the chat data; a feature drafter's training reuses it
     eos = {t for x in (tok.eos_token_id, hf.config.eos_token_id) for t in (x if isinstance(x, list) else [x])
            if t is not None}
     feats = args.kind == "feature"
@@ -81,7 +83,6 @@ def main(args: argparse.Namespace) -> int:
     data.teacher_force_corpus(hf, tok, data.corpus_texts(args.corpus_chars, args.seed), work / "train")
     data.generate_chat(runtime, tok, held_prompts, work / "heldout", min(args.max_new_tokens, 128), eos,
                        args.gen_batch, 0, feats)
-    del runtime
     t_data = time.perf_counter() - t0
     train_ex = data.load_examples(work / "train")
     held_ex = data.load_examples(work / "heldout")
@@ -107,8 +108,9 @@ def main(args: argparse.Namespace) -> int:
     }
     if args.kind == "feature":
         del hf
-        return _train_feature(args, target, folder, train_ex, held_ex, vocab_map, work, embed, base_recipe,
-                              t0, t_data, device, len(held_prompts))
+        return _train_feature(args, runtime.cpu(), folder, train_ex, held_ex, vocab_map, work, embed,
+                              base_recipe, t0, t_data, device, len(held_prompts))
+    del runtime
     hf = hf.cpu() if device == "cpu" else hf
     student = train.build_student(hf, args.layers, vocab_map).to(device)
     cfg = train.TrainConfig(layers=args.layers, draft_vocab=args.draft_vocab, lr=args.lr or 1e-3,
@@ -136,18 +138,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_feature(args, target: Path, folder: Path, train_ex: list[dict], held_ex: list[dict],
-                   vocab_map: torch.Tensor, work: Path, embed: dict | None, base_recipe: dict, t0: float,
+def _train_feature(args, model, folder: Path, train_ex: list[dict], held_ex: list[dict],
+                   vocab_map: torch.Tensor, work: Path, embed: dict, base_recipe: dict, t0: float,
                    t_data: float, device: str, held_prompts: int) -> int:
-    """The feature-drafter path (`specmesh.distill.feature`): target features, unrolled training, export."""
+    """The feature-drafter path (`specmesh.distill.feature`): target features, unrolled training, export.
+    `model`: the target on our runtime (on the CPU), the one that generated the data."""
     from transformers import AutoConfig
 
     from specmesh.distill import feature
     from specmesh.loader import load_model
 
-    if embed is None:
-        raise ValueError("target: a feature drafter shares the target's embeddings, which needs a .gguf target")
-    model = load_model(target)
     log = lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True)  # noqa: E731
     feature.add_features(model, train_ex, work / "features-train.pt", log)
     feature.add_features(model, held_ex, work / "features-heldout.pt", log)
