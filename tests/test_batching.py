@@ -82,7 +82,8 @@ def test_forward_batch_equals_each_session_alone(model):
 
 
 def held_batch(bt: BatchingTarget, calls: list) -> list:
-    """Run `calls` (each: () -> result) in threads that all queue before any batch starts."""
+    """Run `calls` (each: () -> result) in threads that all queue, in the order given, before any
+    batch starts (each thread starts only once the one before it is queued: the order is the test's)."""
     results: list = [None] * len(calls)
     with bt._cv:
         bt._running = True  # as if a batch were running: every caller queues
@@ -95,10 +96,10 @@ def held_batch(bt: BatchingTarget, calls: list) -> list:
                 results[i] = e
         threads.append(threading.Thread(target=run))
         threads[-1].start()
-    deadline = time.monotonic() + 30
-    while len(bt._queue) < len(calls):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+        deadline = time.monotonic() + 30
+        while len(bt._queue) < i + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
     with bt._cv:
         bt._running = False
         bt._cv.notify_all()
