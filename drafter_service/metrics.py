@@ -8,7 +8,7 @@ delegate everything else, so neither the servicer nor the drafters know they are
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,10 +45,11 @@ class _MeteredSession:
         self.inner, self.metrics = inner, metrics
         self._closed = False
 
-    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
+              exclude_root: Sequence[int] = ()) -> DraftTree:
         t = time.perf_counter()
         try:
-            tree = self.inner.draft(budget, depth, params, generator)
+            tree = self.inner.draft(budget, depth, params, generator, exclude_root)
         except Exception:
             self.metrics.errors.inc()
             raise

@@ -23,8 +23,8 @@ Protocol, as this service implements it:
   stream that ends leaves its sessions to the LRU / idle eviction.
 
 Requests are read by a separate thread into a queue, so that the stream's loop sees them
-promptly: it answers requests first, and predrafts (one tree at a time, oldest answer first)
-only while no request waits.
+promptly: it answers requests first, and predrafts (one tree at a time, oldest answer first; a
+session wanting several goes to the back after each) only while no request waits.
 """
 
 from __future__ import annotations
@@ -77,9 +77,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             except queue.Empty:
                 if ahead:
                     sid, _ = ahead.popitem(last=False)
-                    failed = self._predraft(sid)
+                    failed, more = self._predraft(sid)
                     if failed is not None:
                         yield failed
+                    elif more:
+                        ahead[sid] = None  # its next predraft after the other sessions' first
                     continue
                 req = inbox.get()
             if req is _END:
@@ -153,19 +155,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise RequestError(f"session_id: unknown session {sid!r} (never opened, closed or evicted)")
         return session
 
-    def _predraft(self, sid: str) -> drafter_pb2.DraftResponse | None:
+    def _predraft(self, sid: str) -> tuple[drafter_pb2.DraftResponse | None, bool]:
+        """One predraft for a session: (an error response or None, whether it wants another)."""
         session = self.store.get(sid, touch=False)
         if session is None:
-            return None
+            return None, False
         try:
-            session.predraft()
+            return None, session.predraft() and session.wants_predraft
         except ValueError as exc:  # closed or evicted meanwhile: its next request says so
             if not session.closed:
-                return self._fail(sid, str(exc))
+                return self._fail(sid, str(exc)), False
         except Exception as exc:
             log.exception("session %r: predraft failed", sid)
-            return self._fail(sid, f"internal: predraft failed: {type(exc).__name__}: {exc}")
-        return None
+            return self._fail(sid, f"internal: predraft failed: {type(exc).__name__}: {exc}"), False
+        return None, False
 
     def _fail(self, sid: str, error: str) -> drafter_pb2.DraftResponse:
         if sid:

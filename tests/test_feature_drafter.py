@@ -92,18 +92,20 @@ def test_fed_step_by_step_drafts_what_a_fresh_session_drafts(trained):
 
 
 def test_drafting_ahead_with_predicted_features_then_the_verifiers(trained):
-    """DraftAhead commits the sent tree's main path with the drafter's own predicted features, then
-    the verifier's real ones replace them: afterwards the session equals a fresh one."""
+    """DraftAhead commits (part of) the sent tree's main path with the drafter's own predicted
+    features, then the verifier's real ones replace them: afterwards the session equals a fresh one."""
     target, examples, *_, out = trained
     drafter = load_model_drafter(str(out))
     prompt = examples[2]["tokens"][:8].tolist()
     t, session = _session_at(drafter, target, prompt)
-    ahead = DraftAhead(session, len(prompt), SamplingParams(), pipelined=True)
+    ahead = DraftAhead(session, len(prompt), SamplingParams(), pipelined=True, paced=False)
     sent = ahead.first(4, 4)
     hits = 0
     params, gen = SamplingParams(), make_generator(SamplingParams())
-    for _ in range(6):
+    for _ in range(8):
         assert ahead.predraft()
+        while ahead.predraft():  # partial outcomes too: rolled back to, hit, predrafted after
+            pass
         result, new = t.step(sent.tree, params, gen)
         sent = ahead.commit(sent.step, new[:-1], new[-1], 4, 4, t.new_features(len(new)))
         hits += sent.predrafted

@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from specmesh.drafters import NgramDrafter, predraft
-from specmesh.drafters.base import Children, children_from_probs, grow_tree
+from specmesh.drafters.base import Children, ContextSession, children_from_probs, grow_tree
 from specmesh.drafters.predraft import (
     DraftAhead,
     SessionClosedError,
@@ -166,16 +166,23 @@ def _fresh(context: list[int], budget: int, depth: int) -> DraftTree:
     return NgramDrafter().open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
 
 
+def _units(ahead: DraftAhead) -> int:
+    n = 0
+    while ahead.predraft():
+        n += 1
+    return n
+
+
 def test_draft_ahead_hit_and_miss_ngram() -> None:
     ctx = list(CONTEXT)
-    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True)
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True, paced=False)
     first = ahead.first(8, 4)
     assert (first.step, first.position, first.predrafted) == (0, len(ctx), False)
     assert first.tree == _fresh(ctx, 8, 4)
     h = [first.tree.tokens[i] for i in main_path(first.tree)]
 
     # hit: the main path accepted whole, the bonus is the predraft's first root child
-    assert ahead.predraft() and not ahead.predraft()  # once per tree sent
+    assert _units(ahead) == min(4, len(h) + 1) and not ahead.predraft()  # the likeliest outcomes, once
     p = NgramDrafter().open(ctx + h).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY))
     bonus = p.tokens[0]
     hit = ahead.commit(0, h, bonus, 8, 4)
@@ -183,22 +190,90 @@ def test_draft_ahead_hit_and_miss_ngram() -> None:
     assert (hit.step, hit.position, hit.predrafted) == (1, len(ctx), True)
     assert hit.tree == pick_predrafted(p, bonus, 8, 4)
 
-    # miss: a shorter accepted path; the tree is what a fresh session drafts at that point
-    assert ahead.predraft()
+    # miss: a shorter accepted path and a bonus no predraft has; the tree is what a fresh session
+    # drafts at that point
+    assert _units(ahead) >= 1
     h2 = [hit.tree.tokens[i] for i in main_path(hit.tree)]
-    miss = ahead.commit(1, h2[:1], 4, 6, 3)
-    ctx += h2[:1] + [4]
+    miss = ahead.commit(1, h2[:1], 77, 6, 3)
+    ctx += h2[:1] + [77]
     assert (miss.step, miss.position, miss.predrafted) == (2, len(ctx), False)
     assert miss.tree == _fresh(ctx, 6, 3)
 
-    # extend after a predraft: the speculative path is dropped, the new tokens appended
-    assert ahead.predraft()
+    # extend (after an empty tree: nothing to predraft), the new tokens appended
+    assert miss.tree.tokens == [] and _units(ahead) == 0
     ext = ahead.extend([7, 1, 2], 8, 4)
     ctx += [7, 1, 2]
     assert (ext.step, ext.position, ext.predrafted) == (3, len(ctx), False)
     assert ext.tree == _fresh(ctx, 8, 4)
     assert ahead.session.context == ctx
     assert ahead.hits == 1 and ahead.steps == 4
+
+
+class _Recording:
+    """A DraftSession wrapper noting the context length of each draft; `delay_s` per draft."""
+
+    def __init__(self, inner, delay_s: float = 0.0) -> None:
+        self.inner, self.delay_s, self.drafted_at = inner, delay_s, []
+
+    def draft(self, budget, depth, params, generator, exclude_root=()):
+        import time
+
+        time.sleep(self.delay_s)
+        self.drafted_at.append((len(self.inner.context), tuple(exclude_root)))
+        return self.inner.draft(budget, depth, params, generator, exclude_root)
+
+    def commit(self, tokens, features=None):
+        self.inner.commit(tokens, features)
+
+    def rollback(self, num_tokens):
+        self.inner.rollback(num_tokens)
+
+    def close(self):
+        self.inner.close()
+
+
+class _Counting(ContextSession):
+    """Proposes t + 1, t + 2, ... after token t (mod 50): every tree is full, any bonus goes."""
+
+    def draft(self, budget, depth, params, generator, exclude_root=()):
+        def expand(_nodes, paths, counts):
+            last = [p[-1] if p else self.context[-1] for p in paths]
+            return [Children([(t + i) % 50 for i in range(1, c + 1)], [-float(i) for i in range(c)])
+                    for t, c in zip(last, counts)]
+
+        return grow_tree(expand, budget, depth, exclude_root)
+
+
+def test_predrafts_are_the_likeliest_outcomes_deepest_first() -> None:
+    rec = _Recording(_Counting(list(range(14))))
+    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True, paced=False)
+    st = ahead.first(4, 4)
+    h = [st.tree.tokens[i] for i in main_path(st.tree)]
+    assert len(h) == 4
+    # prior: all accepted, then 0, 1, 2 tokens accepted; done deepest first, each rooted after
+    # the accepted tokens and excluding what the tree proposed there
+    assert _units(ahead) == 4
+    assert rec.drafted_at[1:] == [(18, ()), (16, (h[2],)), (15, (h[1],)), (14, (h[0],))]
+    # after outcomes "3 accepted" the history ranks 3 above 0, 1 and 2
+    for step in range(3):
+        h = [st.tree.tokens[i] for i in main_path(st.tree)]
+        st = ahead.commit(step, h[:3], 7, 4, 4)  # 7: not what the predraft proposes there
+        assert not st.predrafted and len(st.tree) == 4
+        if step < 2:
+            _units(ahead)
+    rec.drafted_at.clear()
+    assert _units(ahead) == 4
+    assert [at for at, _ in rec.drafted_at] == [st.position + k for k in (4, 3, 1, 0)]
+
+
+def test_paced_predrafts_stop_when_the_commit_is_due() -> None:
+    rec = _Recording(_Counting(list(range(14))), delay_s=0.02)
+    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True)
+    st = ahead.first(4, 4)
+    h = [st.tree.tokens[i] for i in main_path(st.tree)]
+    ahead.commit(0, h, 99, 4, 4)  # at once: commits come far sooner than a predraft takes
+    assert ahead.predraft(), "the first predraft always runs"
+    assert not ahead.predraft() and not ahead.wants_predraft
 
 
 def test_draft_ahead_errors() -> None:
@@ -236,24 +311,34 @@ def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
         return drafter.open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
 
     ctx = [3, 14, 15, 9, 26, 5]
-    ahead = DraftAhead(drafter.open(ctx), len(ctx), GREEDY, pipelined=True)
+    ahead = DraftAhead(drafter.open(ctx), len(ctx), GREEDY, pipelined=True, paced=False)
     st = ahead.first(8, 4)
     hits = 0
-    for step in range(8):
+    for step in range(9):
         assert st.tree == fresh(ctx, 8, 4) or st.predrafted
         assert ahead.predraft()
+        if step % 3:
+            while ahead.predraft():  # the partial outcomes too
+                pass
         path = [st.tree.tokens[i] for i in main_path(st.tree)]
-        if step % 2 == 0:  # accept the main path, bonus = the drafter's own next token (a hit)
+        if step % 3 == 0:  # accept the main path, bonus = the drafter's own next token (a hit)
             accepted, bonus = path, fresh(ctx + path, 1, 1).tokens[0]
+        elif step % 3 == 1:  # accept one token; the bonus is the best one the tree did not propose
+            accepted = path[:1]
+            below = [st.tree.tokens[c] for c in children_of(st.tree)[main_path(st.tree)[0]]]
+            p = drafter.open(ctx + accepted).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY), below)
+            bonus = p.tokens[0]
         else:  # a miss: accept one token, then a bonus of our own
             accepted, bonus = path[:1], (step * 7) % 64
         st = ahead.commit(step, accepted, bonus, 8, 4)
         ctx += accepted + [bonus]
         assert st.position == len(ctx)
         hits += st.predrafted
+        if step % 3 == 1:  # a hit on a partial outcome: exactly the tree under that root child
+            assert st.predrafted and st.tree == pick_predrafted(p, bonus, 8, 4)
         if st.predrafted:  # the predrafted tree's best path is what a fresh draft proposes first
             assert st.tree.tokens[0] == fresh(ctx, 8, 4).tokens[0]
-    assert hits == 4
+    assert hits >= 6
 
 
 # --- Statistical losslessness through predrafted trees ---
@@ -308,7 +393,7 @@ class _MarkovSession:
     def close(self) -> None:
         pass
 
-    def draft(self, budget, depth, params, generator) -> DraftTree:
+    def draft(self, budget, depth, params, generator, exclude_root=()) -> DraftTree:
         def expand(_nodes, paths, counts) -> list[Children]:
             out = []
             for path, count in zip(paths, counts):
@@ -318,7 +403,7 @@ class _MarkovSession:
                 out.append(Children(kids, [float(np.log(probs[k])) for k in kids], ids, probs))
             return out
 
-        return grow_tree(expand, budget, depth)
+        return grow_tree(expand, budget, depth, exclude_root)
 
 
 def _target_rows(context_last: int, tree: DraftTree) -> torch.Tensor:
@@ -336,10 +421,11 @@ def _run(trials: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     counts = np.zeros((V,) * 3, dtype=np.int64)
     after_hit = np.zeros((V, V), dtype=np.int64)
     for _ in range(trials):
-        ahead = DraftAhead(_MarkovSession([0], pools), 1, SAMPLE, pipelined=True)
+        ahead = DraftAhead(_MarkovSession([0], pools), 1, SAMPLE, pipelined=True, paced=False)
         st, out = ahead.first(2, 1), []
         for step in range(2):
-            ahead.predraft()
+            while ahead.predraft():  # both outcomes: the main path accepted, or nothing
+                pass
             new = verify_sampling(st.tree, _target_rows(([0] + out)[-1], st.tree), verifier).tokens(st.tree)
             if step == 0:
                 st = ahead.commit(0, new[:-1], new[-1], 2, 1)

@@ -48,7 +48,11 @@ def tree_width(budget: int, depth: int) -> int:
     return max(1, min(MAX_WIDTH, math.ceil(budget / max(depth, 1))))
 
 
-def grow_tree(expand: ExpandFn, budget: int, depth: int) -> DraftTree:
+def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[int] = ()) -> DraftTree:
+    """`exclude_root`: tokens the root's children must not be (a predraft for an outcome in which
+    the verifier rejected them: its bonus token cannot be one of them). The root asks `expand` for
+    that many more children and drops those tokens; sampling stays lossless, since only subtrees
+    under the root's children are ever verified (`specmesh.drafters.predraft`)."""
     depth = min(depth, budget)
     if depth <= 0:
         return DraftTree.empty()
@@ -77,7 +81,12 @@ def grow_tree(expand: ExpandFn, budget: int, depth: int) -> DraftTree:
             break
         # 2. expand, 3. attach
         frontier = []
-        for node, count, kids in zip(nodes, counts, expand(nodes, [path[n] for n in nodes], counts)):
+        asked = [c + len(exclude_root) if n == ROOT else c for n, c in zip(nodes, counts)]
+        for node, count, kids in zip(nodes, counts, expand(nodes, [path[n] for n in nodes], asked)):
+            if node == ROOT and exclude_root:
+                kept = [i for i, t in enumerate(kids.tokens) if t not in exclude_root][:count]
+                kids = Children([kids.tokens[i] for i in kept], [kids.logprobs[i] for i in kept],
+                                kids.q_ids, kids.q_probs)
             assert len(kids.tokens) <= count
             if kids.q_ids is not None:
                 q_nodes.append(node)
@@ -163,7 +172,9 @@ def node_mask(paths: list[tuple[int, ...]], context_rows: int, at: int,
 
 
 class DraftSession(Protocol):
-    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree: ...
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
+              exclude_root: Sequence[int] = ()) -> DraftTree:
+        """A tree rooted at the last context token (`grow_tree`; `exclude_root`: see there)."""
 
     def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the verifier since the last call (accepted path + bonus), or new

@@ -21,6 +21,8 @@ bundled SmolLM2 (30 layers, 49k-token head) that is about 6% of a target step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specmesh.drafters.base import Children, FeatureRows, children_from_probs, grow_tree, node_mask
@@ -97,7 +99,8 @@ class FeatureDraftSession:
         t = tuple(tokens)
         self._predicted = {p[len(t):]: f for p, f in self._predicted.items() if p[:len(t)] == t}
 
-    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
+              exclude_root: Sequence[int] = ()) -> DraftTree:
         model, cache = self.model, self.cache
         self._predicted = {}
         n = len(self.context)
@@ -135,4 +138,4 @@ class FeatureDraftSession:
                 predicted.setdefault(path, hidden[row])
             return [children_from_probs(probs[i], c, params, generator) for i, c in enumerate(counts)]
 
-        return grow_tree(expand, budget, depth)
+        return grow_tree(expand, budget, depth, exclude_root)

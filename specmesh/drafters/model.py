@@ -9,6 +9,8 @@ slots into the committed prefix instead of recomputing them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specmesh.drafters.base import Children, children_from_probs, grow_tree, node_mask
@@ -67,7 +69,8 @@ class ModelDraftSession:
         self._slot_of = {}
         self.context.extend(tokens)
 
-    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
+              exclude_root: Sequence[int] = ()) -> DraftTree:
         cache, model = self.cache, self.model
         self._slot_of = {}
         # 1. feed the committed tokens not yet in the cache; the last row proposes the root's children
@@ -96,4 +99,4 @@ class ModelDraftSession:
                 slot_of.setdefault(path, at + row)
             return [children_from_probs(probs[i], c, params, generator) for i, c in enumerate(counts)]
 
-        return grow_tree(expand, budget, depth)
+        return grow_tree(expand, budget, depth, exclude_root)

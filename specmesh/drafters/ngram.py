@@ -8,6 +8,8 @@ child proposed with q = one-hot on it (exact, so verification stays lossless).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specmesh.drafters.base import Children, ContextSession, grow_tree
@@ -55,7 +57,8 @@ class NgramSession(ContextSession):
         super().__init__(context)
         self.d = drafter
 
-    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
+              exclude_root: Sequence[int] = ()) -> DraftTree:
         conts = find_continuations(self.context, self.d.max_ngram, self.d.min_ngram, depth)
         if not conts:
             return DraftTree.empty()
@@ -74,4 +77,4 @@ class NgramSession(ContextSession):
                 out.append(Children(nxt, [0.0] * len(nxt), *q))
             return out
 
-        return grow_tree(expand, budget, depth)
+        return grow_tree(expand, budget, depth, exclude_root)

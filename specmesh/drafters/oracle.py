@@ -73,7 +73,8 @@ class OracleSession(ContextSession):
             if t != right and t not in avoid:
                 return t
 
-    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator) -> DraftTree:
+    def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
+              exclude_root: Sequence[int] = ()) -> DraftTree:
         n = len(self.context)
         if self.ref[:n] != self.context and len(self.d.references) > 1:
             self.ref = self.d.pick(self.context)
@@ -96,4 +97,4 @@ class OracleSession(ContextSession):
                 out.append(Children(kids[:1] if q[0] else kids, lp[:1] if q[0] else lp, *q))
             return out
 
-        return grow_tree(expand, budget, depth)
+        return grow_tree(expand, budget, depth, exclude_root)

@@ -1,40 +1,52 @@
 """Drafting ahead: predraft the next step's tree while the verifier checks the current one.
 
-After a tree T is sent for step t at context length n, the most likely outcome of verifying it is
-that its **main path** H (the first child from the root down to a leaf) is accepted whole. So the
-drafter commits H speculatively and drafts a tree P for position n + |H|, one level deeper than
-asked and with a larger budget: P's root children are candidates for the verifier's **bonus**
-token, and the subtree under each is a tree for step t + 1. When the commit arrives with
-accepted == H and a bonus b that is the token of a root child c of P with children, the answer
-is `subtree(P, c)` trimmed to the requested shape, at once; otherwise the session rolls back to
-n, takes the committed tokens and drafts afresh.
+After a tree T is sent for step t at context length n, let H be its **main path** (the first
+child from the root down to a leaf). Verification accepts some path of T, then adds a bonus
+token. For each of the likeliest outcomes "the first k tokens of H accepted" (k = |H|: all of
+it), the drafter commits H[:k] speculatively and drafts a tree P_k for position n + k, one level
+deeper than asked and with a larger budget: P_k's root children are candidates for the bonus
+token, and the subtree under each is a tree for step t + 1. For k < |H| the bonus cannot be any
+child that T has at that node (the verifier rejected them all), so P_k's root excludes them.
+When the commit arrives with accepted == H[:k] and a bonus b that is the token of a root child c
+of P_k with children, the answer is `subtree(P_k, c)` trimmed to the requested shape, at once;
+otherwise the session rolls back to n, takes the committed tokens and drafts afresh.
+
+Which outcomes, in which order: this session's history of outcomes (how many tokens of the main
+path were accepted, with a prior) ranks them; the likeliest are predrafted, as many as fit before
+the commit is expected (the time from sending a tree to its commit and the time of one predraft
+are measured as the session goes: `paced`), one per `predraft()` call, deepest first (each
+further one only rolls the session back, which every drafter can do). The first always runs.
 
 Why re-rooting is lossless under sampling: every node's children in P are i.i.d. draws from the
 q it reports, and how many children a node gets is decided before they are drawn (grow_tree);
 whether c is picked depends only on its own token, on the draws of its level and on the shape
 planned from them, never on the draws below it, and the verifier's randomness is independent
 of the drafter's. So the subtree under c, with each node's q carried over exactly, is a valid
-draft for context + H + [b]. Trimming (the main path first, so the depth survives, then index
-order) keeps for every node a prefix of its children whose length depends on positions only.
+draft for context + H[:k] + [b]. Dropping excluded root children changes which c exist, not what
+lies under them. Trimming (the main path first, so the depth survives, then index order) keeps
+for every node a prefix of its children whose length depends on positions only.
 
-`DraftAhead` owns one `DraftSession` plus this bookkeeping (step counter, the tree last sent, at
-most one predraft). It knows nothing of transport, session ids or eviction; a lock makes each
-call one atomic unit of work, so a service may call it from several threads.
+`DraftAhead` owns one `DraftSession` plus this bookkeeping (step counter, the tree last sent, its
+predrafts). It knows nothing of transport, session ids or eviction; a lock makes each call one
+atomic unit of work, so a service may call it from several threads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
-from specmesh.drafters.base import DraftSession
+from specmesh.drafters.base import DraftSession, common_prefix
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, depths
 
 PREDRAFT_MAX_BUDGET = 64
+PREDRAFT_MAX_OUTCOMES = 4  # predrafts per tree sent, at most
+MAX_DEPTH = 16  # outcome history buckets (deeper outcomes share the last)
 
 
 def main_path(tree: DraftTree) -> list[int]:
@@ -150,37 +162,43 @@ class StepTree:
     predrafted: bool = False
 
 
-@dataclass(frozen=True)
-class _Predraft:
-    path: list[int]  # H: tokens of the sent tree's main path, committed speculatively
-    tree: DraftTree  # P: drafted at position n + len(path)
-
-
 class SessionClosedError(ValueError):
     """The session was closed (or evicted) while a request for it was on its way."""
 
 
 class DraftAhead:
     """One served session: open -> first(); then commit()/extend() -> the next tree; predraft()
-    in between when pipelined. Steps count the trees sent: 0, 1, 2, ..."""
+    in between when pipelined, until it returns False. Steps count the trees sent: 0, 1, 2, ...
+    `paced`: stop predrafting when the next predraft would likely end after the commit arrives
+    (a drafter busy with it would delay a miss); `max_outcomes`: at most this many per tree."""
 
-    def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool) -> None:
+    def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
+                 paced: bool = True, max_outcomes: int = PREDRAFT_MAX_OUTCOMES) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
         self.session = session
         self.params = params
         self.pipelined = pipelined
+        self.paced = paced
+        self.max_outcomes = max_outcomes
         self.generator = draft_generator(params)
-        self.position = context_len  # committed tokens (the draft session may hold more: H)
+        self.position = context_len  # committed tokens (the draft session may hold more: H[:k])
         self.step = -1  # step of the tree last sent
         self.steps = 0
         self.hits = 0
+        self.predrafts = 0
         self._lock = threading.Lock()
         self._tree: DraftTree | None = None
         self._shape = (1, 1)
-        self._predraft: _Predraft | None = None
-        self._speculated = False  # the session holds H beyond `position`
-        self._tried = False  # predraft done (or found pointless) for the tree last sent
+        self._path: list[int] = []  # H: the main path's tokens of the tree last sent
+        self._predrafts: dict[tuple[int, ...], DraftTree] = {}  # H[:k] -> P_k
+        self._plan: list[int] | None = None  # k of the predrafts still to do (None: not planned yet)
+        self._held = 0  # tokens of H the session holds beyond `position`
         self._closed = False
+        # outcome history (with a prior): all of H accepted, or only its first k tokens
+        self._full, self._partial = 1.0, [0.6 * 0.5 ** k for k in range(MAX_DEPTH + 1)]
+        self._sent_at = 0.0
+        self._window_s: float | None = None  # sending a tree -> its commit (moving average)
+        self._unit_s: float | None = None  # one predraft (moving average)
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -196,19 +214,21 @@ class DraftAhead:
             self._check_open()
             if step != self.step:
                 raise ValueError(f"step: expected {self.step} (the tree last sent), got {step}")
-            pred, tree = self._predraft, None
-            if pred is not None and accepted == pred.path:
-                # 1. the speculative path was right: the session already holds it (a feature
+            self._window_s = _average(self._window_s, time.perf_counter() - self._sent_at)
+            self._count_outcome(accepted)
+            pred = self._predrafts.get(tuple(accepted))
+            if pred is not None and self._held == len(accepted):
+                # 1. the session holds exactly the accepted path (predrafted last; a feature
                 # drafter held it with predicted features: the verifier's replace them)
                 self.session.commit([bonus], features)
-                tree = pick_predrafted(pred.tree, bonus, budget, depth)
             else:
-                # 2. a miss: forget the speculative path, take what was verified
-                if self._speculated:
+                # 2. forget the speculative path, take what was verified
+                if self._held:
                     self.session.rollback(self.position)
                 self.session.commit(list(accepted) + [bonus], features)
             self.position += len(accepted) + 1
-            self._speculated = False
+            self._held = 0
+            tree = pick_predrafted(pred, bonus, budget, depth) if pred is not None else None
             if tree is not None:
                 self.hits += 1
                 return self._send(tree, budget, depth, True)
@@ -224,40 +244,60 @@ class DraftAhead:
             keep = keep or self.position
             if not 1 <= keep <= self.position:
                 raise ValueError(f"keep: must be in [1, {self.position}] (the committed tokens), got {keep}")
-            if self._speculated or not tokens or keep < self.position:
+            if self._held or not tokens or keep < self.position:
                 # an empty extension re-drafts at the same point: let the session re-feed its last token
                 self.session.rollback(keep)
             self.session.commit(list(tokens), features)
             self.position = keep + len(tokens)
-            self._speculated = False
+            self._held = 0
             return self._send(self._draft(budget, depth), budget, depth, False)
 
     @property
     def wants_predraft(self) -> bool:
-        return self.pipelined and not self._closed and not self._tried and self._tree is not None
+        return (self.pipelined and not self._closed and self._tree is not None
+                and (self._plan is None or bool(self._plan)))
 
     def predraft(self) -> bool:
-        """Predraft for the tree last sent (one unit of work); False when there was nothing to do.
-        An empty tree is not predrafted: with nothing to accept, the bonus alone decides."""
+        """One predraft for the tree last sent (one unit of work); False when there was nothing
+        (more) to do. An empty tree is not predrafted: with nothing to accept, the bonus alone decides."""
         with self._lock:
             if not self.wants_predraft:
                 return False
-            self._tried = True
-            assert self._tree is not None
-            path = [self._tree.tokens[i] for i in main_path(self._tree)]
-            if not path:
+            if self._plan is None:
+                self._plan = self._make_plan()
+            if not self._plan:
                 return False
-            self.session.commit(path)
-            self._speculated = True
+            if self.paced and self._predrafts and self._window_s is not None and self._unit_s is not None:
+                if time.perf_counter() - self._sent_at + self._unit_s > self._window_s:
+                    self._plan = []  # it would likely end after the commit arrives
+                    return False
+            k = self._plan.pop(0)
+            t = time.perf_counter()
+            path = self._path[:k]
+            if self._held > k or k == 0:
+                self.session.rollback(self.position + k)  # k = 0: re-draft at the committed point
+            elif self._held < k:
+                try:
+                    self.session.commit(path[self._held:])  # a path of the last tree drafted
+                except ValueError:
+                    # a feature drafter keeps predicted features for the last tree it drafted
+                    # only; after a hit on an earlier predraft that is another tree: predraft
+                    # from the committed point alone
+                    self._plan, k, path = [], 0, []
+                    self.session.rollback(self.position)
+            self._held = k
+            exclude = () if k == len(self._path) else self._children_on_path(k)
             budget, depth = predraft_shape(*self._shape)
-            self._predraft = _Predraft(path, self.session.draft(budget, depth, self.params, self.generator))
+            self._predrafts[tuple(path)] = self.session.draft(budget, depth, self.params, self.generator, exclude)
+            self.predrafts += 1
+            self._unit_s = _average(self._unit_s, time.perf_counter() - t)
             return True
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._predraft = None
+                self._predrafts = {}
                 self._tree = None
                 self.session.close()
 
@@ -269,6 +309,33 @@ class DraftAhead:
         if self._closed:
             raise SessionClosedError("session_id: the session was closed or evicted")
 
+    def _count_outcome(self, accepted: list[int]) -> None:
+        k = common_prefix(accepted, self._path)
+        if k == len(accepted):  # a prefix of the main path (else a side branch: not predrafted)
+            if k == len(self._path):
+                self._full += 1.0
+            else:
+                self._partial[min(k, MAX_DEPTH)] += 1.0
+
+    def _make_plan(self) -> list[int]:
+        """The likeliest outcomes worth a predraft (as many as are expected to fit), deepest first."""
+        n = len(self._path)
+        if n == 0:
+            return []
+        odds = {k: self._partial[min(k, MAX_DEPTH)] for k in range(n)}
+        odds[n] = self._full
+        fits = self.max_outcomes
+        if self.paced and self._window_s is not None and self._unit_s:
+            fits = min(fits, max(1, int((self._window_s - (time.perf_counter() - self._sent_at)) / self._unit_s)))
+        likeliest = sorted(odds, key=lambda k: -odds[k])[:fits]
+        return sorted(likeliest, reverse=True)
+
+    def _children_on_path(self, k: int) -> list[int]:
+        """Tokens of the children the tree last sent has at the k-th node of its main path."""
+        assert self._tree is not None
+        node = ROOT if k == 0 else main_path(self._tree)[k - 1]
+        return [self._tree.tokens[c] for c in children_of(self._tree)[node]]
+
     def _draft(self, budget: int, depth: int) -> DraftTree:
         return self.session.draft(budget, depth, self.params, self.generator)
 
@@ -277,6 +344,12 @@ class DraftAhead:
         self.steps += 1
         self._tree = tree
         self._shape = (budget, depth)
-        self._predraft = None
-        self._tried = False
+        self._path = [tree.tokens[i] for i in main_path(tree)]
+        self._predrafts = {}
+        self._plan = None
+        self._sent_at = time.perf_counter()
         return StepTree(self.step, self.position, tree, predrafted)
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
