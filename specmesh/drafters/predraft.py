@@ -131,14 +131,26 @@ def predraft_shape(budget: int, depth: int) -> tuple[int, int]:
     return max(budget, min(PREDRAFT_MAX_BUDGET, 2 * budget)), depth + 1
 
 
-def pick_predrafted(predraft: DraftTree, bonus: int, budget: int, depth: int) -> DraftTree | None:
+def pick_predrafted(predraft: DraftTree, bonus: int, budget: int, depth: int, min_depth: int = 1) -> DraftTree | None:
     """The tree under the first root child of `predraft` with token `bonus` that has children,
-    trimmed to the requested shape; None when there is none."""
+    trimmed to the requested shape; None when there is none, or when it is less than `min_depth`
+    deep. `min_depth` > 1 is for greedy decoding only: under sampling, choosing a subtree by its
+    depth would choose it by the draws below it (their scores shape the tree), and verification
+    needs every node's children to be plain draws from its q."""
     kids = children_of(predraft)
     for c in kids[ROOT]:
         if predraft.tokens[c] == bonus and kids[c]:
-            return trim(subtree(predraft, c), budget, depth)
+            tree = trim(subtree(predraft, c), budget, depth)
+            return tree if max(depths(tree.parents), default=0) >= min_depth else None
     return None
+
+
+def useful_depth(depth: int, params: SamplingParams) -> int:
+    """The shallowest predrafted tree worth sending instead of a fresh draft: half the requested
+    depth for greedy decoding (a one-token tree answered at once loses to a full tree answered a
+    draft later whenever drafting costs less than verifying: the regime pipelining is for);
+    any depth under sampling (see `pick_predrafted`)."""
+    return (depth + 1) // 2 if params.greedy else 1
 
 
 def draft_generator(params: SamplingParams) -> torch.Generator:
@@ -228,7 +240,8 @@ class DraftAhead:
                 self.session.commit(list(accepted) + [bonus], features)
             self.position += len(accepted) + 1
             self._held = 0
-            tree = pick_predrafted(pred, bonus, budget, depth) if pred is not None else None
+            tree = (pick_predrafted(pred, bonus, budget, depth, useful_depth(depth, self.params))
+                    if pred is not None else None)
             if tree is not None:
                 self.hits += 1
                 return self._send(tree, budget, depth, True)

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from drafter_service.sessions import SessionStore
 from specmesh.convert import tree_from_pb
 from specmesh.drafters import NgramDrafter
-from specmesh.drafters.predraft import DraftAhead, main_path, pick_predrafted, predraft_shape
+from specmesh.drafters.predraft import DraftAhead, main_path, pick_predrafted, predraft_shape, useful_depth
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import DraftTree, validate_tree
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -141,6 +141,20 @@ def _ngram_predraft(context: list[int], tree: DraftTree, budget: int, depth: int
     return h, _ngram_fresh(context + h, *predraft_shape(budget, depth))
 
 
+def _predrafted(context: list[int], tree: DraftTree, accepted: list[int], bonus: int) -> DraftTree | None:
+    """In-process: the tree the service answers at once for this outcome of `tree` (budget 8,
+    depth 4) when it predrafted that outcome (`specmesh.drafters.predraft`), else None."""
+    path = main_path(tree)
+    h = [tree.tokens[i] for i in path]
+    k = len(accepted)
+    if accepted != h[:k]:
+        return None
+    node = -1 if k == 0 else path[k - 1]
+    below = () if k == len(h) else [tree.tokens[i] for i, p in enumerate(tree.parents) if p == node]
+    p = NgramDrafter().open(context + accepted).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY), below)
+    return pick_predrafted(p, bonus, 8, 4, useful_depth(4, GREEDY))
+
+
 def _context(seed: int, n: int = 60, vocab: int = 12) -> list[int]:
     """A repetitive context (the ngram drafter finds continuations in it)."""
     r = random.Random(seed)
@@ -180,7 +194,7 @@ def test_ngram_hit_miss_extend_give_the_right_trees(ngram: Service) -> None:
     r = s.recv()
     ctx += h + [bonus]
     assert (r.error, r.step, r.position, r.predrafted) == ("", 1, len(ctx), True)
-    assert tree_from_pb(r.tree) == pick_predrafted(p, bonus, 8, 4)
+    assert tree_from_pb(r.tree) == pick_predrafted(p, bonus, 8, 4, useful_depth(4, GREEDY))
 
     # 2. a miss (a shorter accepted path, another shape): a fresh tree from the committed point
     time.sleep(VERIFY_S)
@@ -240,8 +254,7 @@ def test_eight_sessions_interleaved_on_one_stream(ngram: Service) -> None:
                 accepted, bonus = h[: rng.randrange(len(h) + 1)], rng.randrange(12)
             s.commit(sid, step, accepted, bonus)
             ctx += accepted + [bonus]
-            hit = pick_predrafted(p, bonus, 8, 4) if accepted == h else None
-            expected[sid] = (hit, _ngram_fresh(ctx, 8, 4))
+            expected[sid] = (_predrafted(ctx[:-len(accepted) - 1], tree, accepted, bonus), _ngram_fresh(ctx, 8, 4))
         for _ in contexts:
             r = s.recv()
             sid = r.session_id
