@@ -51,8 +51,9 @@ def tree_width(budget: int, depth: int) -> int:
 def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[int] = ()) -> DraftTree:
     """`exclude_root`: tokens the root's children must not be (a predraft for an outcome in which
     the verifier rejected them: its bonus token cannot be one of them). The root asks `expand` for
-    that many more children and drops those tokens; sampling stays lossless, since only subtrees
-    under the root's children are ever verified (`specmesh.drafters.predraft`)."""
+    that many more children and drops those tokens. The root's children are then no longer plain
+    draws from the root's q, so such a tree is only for re-rooting: under sampling only subtrees
+    under its root's children may be verified (`specmesh.drafters.predraft`), never the tree."""
     depth = min(depth, budget)
     if depth <= 0:
         return DraftTree.empty()
