@@ -28,7 +28,7 @@ from specmesh.convert import tree_from_pb
 from specmesh.drafters import NgramDrafter
 from specmesh.drafters.predraft import DraftAhead, main_path, pick_predrafted, predraft_shape, useful_depth
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.tree import DraftTree, validate_tree
+from specmesh.tree import DraftTree, children_of, validate_tree
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -150,7 +150,7 @@ def _predrafted(context: list[int], tree: DraftTree, accepted: list[int], bonus:
     if accepted != h[:k]:
         return None
     node = -1 if k == 0 else path[k - 1]
-    below = () if k == len(h) else [tree.tokens[i] for i, p in enumerate(tree.parents) if p == node]
+    below = () if k == len(h) else [tree.tokens[c] for c in children_of(tree)[node]]
     p = NgramDrafter().open(context + accepted).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY), below)
     return pick_predrafted(p, bonus, 8, 4, useful_depth(4, GREEDY))
 
