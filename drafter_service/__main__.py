@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", str(d.max_sessions))),
                    help="sessions kept (least recently used evicted beyond)")
     p.add_argument("--idle-timeout-s", type=float, default=float(_env("IDLE_TIMEOUT_S", str(d.idle_timeout_s))))
+    p.add_argument("--device", default=_env("DEVICE", d.device),
+                   help="model drafter: auto (cuda when available) | cpu | cuda")
+    p.add_argument("--dtype", default=_env("DTYPE", d.dtype), help="model drafter: float32 | bfloat16 | float16")
     p.add_argument("--threads", type=int, default=int(_env("THREADS", str(d.threads))), help="torch threads")
     p.add_argument("--max-streams", type=int, default=int(_env("MAX_STREAMS", str(d.max_streams))))
     p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", str(d.grace_s))))
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter=args.drafter, host=args.host, port=args.port, oracle_reference=args.oracle_reference,
         draft_cost_s=args.draft_cost_s, vocab_size=args.vocab_size, seed=args.seed,
         max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s, threads=args.threads,
+        device=args.device, dtype=args.dtype,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
         tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specmesh.device import DTYPES
 from specmesh.drafters import parse_drafter_spec
 from specmesh.tls import ServerTls
 
@@ -24,6 +25,8 @@ class DrafterServiceConfig:
     max_sessions: int = 256
     idle_timeout_s: float = 600.0
     threads: int = 1  # torch threads
+    device: str = "auto"  # model drafters: auto (cuda when available) | cpu | cuda (specmesh.device)
+    dtype: str = "float32"  # model drafters: float32 | bfloat16 | float16
     max_streams: int = 64  # concurrent Draft streams (one worker thread each)
     grace_s: float = 2.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -55,6 +58,10 @@ class DrafterServiceConfig:
             raise ValueError(f"max_sessions: must be >= 1, got {self.max_sessions}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
+        if kind != "model" and (self.device != "auto" or self.dtype != "float32"):
+            raise ValueError("device, dtype: only a model drafter computes (ngram and oracle run on the CPU)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if self.max_streams < 1:

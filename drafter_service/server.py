@@ -53,9 +53,10 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
         oracle = OracleDrafter.from_references(refs, float(arg), cfg.vocab_size, cfg.seed, cfg.draft_cost_s)
         return oracle, cfg.vocab_size
     if kind == "model":
+        from specmesh.device import parse_dtype, resolve_device
         from specmesh.runtime import load_model_drafter
 
-        drafter = load_model_drafter(arg)
+        drafter = load_model_drafter(arg, resolve_device(cfg.device), parse_dtype(cfg.dtype))
         return drafter, drafter.model.config.vocab_size
     raise ValueError(f"drafter: {cfg.drafter!r} cannot be served")
 

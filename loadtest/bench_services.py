@@ -75,31 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from specmesh.drafters import OracleDrafter
-    from specmesh.engine import SpecConfig, StopConditions, generate
+    from specmesh.engine import StopConditions
     from specmesh.runtime import encode_prompt, load_target
-    from specmesh.sampling import SamplingParams
-    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
     n = args.max_tokens
     model, tok = load_target(None)
     prompts = PROMPTS[:1] if args.quick else PROMPTS
     stop = StopConditions(n)
-    cases = []
-    for text in prompts:
-        ids = encode_prompt(tok, text, chat=True)
-        cases.append((ids, generate(model, ids, SamplingParams(), stop).token_ids))
-    ref = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump([ids + out for ids, out in cases], ref)
-    ref.close()
+    cases = reference_cases(model, [encode_prompt(tok, text, chat=True) for text in prompts], stop)
+    ref = write_reference(cases)
 
     cost, low = str(args.draft_cost_s), str(args.low_draft_cost_s)
     procs = {
         "ngram": start("drafter_service", "--drafter", "ngram", "--threads", "1"),
-        "o6": start("drafter_service", "--drafter", "oracle:0.6", "--oracle-reference", ref.name, "--draft-cost-s", cost),
-        "o8": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref.name, "--draft-cost-s", cost),
-        "o8l": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref.name, "--draft-cost-s", low),
-        "o8c": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref.name),
+        "o6": start("drafter_service", "--drafter", "oracle:0.6", "--oracle-reference", ref, "--draft-cost-s", cost),
+        "o8": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref, "--draft-cost-s", cost),
+        "o8l": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref, "--draft-cost-s", low),
+        "o8c": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref),
         "tp1": start("verifier_service", "--threads", "1", "--draft-deadline-s", "10"),
     }
     if not args.quick:
@@ -117,47 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                                           costs.get(d, 0.0)))
             if where == "tp1":
                 configs.append(Config("tp1 oracle 0.8 cost-free pipelining off", "tp1", "o8c", False))
-
-        def run_inproc(c: Config, ids: list[int], expected: list[int]) -> None:
-            drafter = None
-            if c.drafter != "none":
-                alpha = 0.8
-                drafter = OracleDrafter(ids + expected, alpha, model.config.vocab_size, seed=0,
-                                        draft_cost_s=c.cost_s)  # seed 0: the service's draws
-            res = generate(model, ids, SamplingParams(), stop, drafter, SpecConfig(DEPTH, DEPTH))
-            s = res.stats
-            c.tokens += s.new_tokens
-            c.seconds += s.total_s
-            c.steps += s.steps
-            c.idle_s += s.draft_s
-            c.verify_s += s.verify_s
-            c.identical &= res.token_ids == expected
-
-        def run_remote(c: Config, ids: list[int], expected: list[int]) -> None:
-            stub = verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(procs[c.where].address))
-            spec = verifier_pb2.SpeculationOptions(disabled=c.drafter == "none", budget=DEPTH, depth=DEPTH,
-                                                   no_pipelining=not c.pipelined)
-            req = verifier_pb2.GenerateRequest(max_tokens=n, ignore_eos=True, speculation=spec,
-                                               drafter_address=procs[c.drafter].address if c.drafter != "none" else "")
-            req.token_ids.ids.extend(ids)
-            out, t = [], time.perf_counter()
-            for r in stub.Generate(req, timeout=600):
-                if r.HasField("chunk"):
-                    out.extend(r.chunk.token_ids)
-                else:
-                    sp = r.complete.speculation
-            c.seconds += time.perf_counter() - t
-            c.tokens += len(out)
-            c.steps += sp.steps
-            c.idle_s += sp.draft_s
-            c.verify_s += sp.verify_s
-            c.hits += sp.predraft_hits
-            c.identical &= out == expected
-
-        for pi, (ids, expected) in enumerate(cases):
-            for c in configs:
-                run_inproc(c, ids, expected) if c.where == "inproc" else run_remote(c, ids, expected)
-            print(f"prompt {pi + 1}/{len(cases)} done", file=sys.stderr)
+        run_all(configs, cases, model, {k: p.address for k, p in procs.items()}, n)
     finally:
         for p in procs.values():
             p.stop()
@@ -172,6 +124,81 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print(format_table(meta, results))
     return 0
+
+
+def reference_cases(model, prompts: list[list[int]], stop) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the target's greedy continuation) per prompt: what every configuration must
+    reproduce, and what the oracle drafters replay."""
+    from specmesh.engine import generate
+    from specmesh.sampling import SamplingParams
+
+    return [(ids, generate(model, ids, SamplingParams(), stop).token_ids) for ids in prompts]
+
+
+def write_reference(cases: list[tuple[list[int], list[int]]]) -> str:
+    """The oracle drafter service's --oracle-reference file (prompt + continuation per case)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as ref:
+        json.dump([ids + out for ids, out in cases], ref)
+    return ref.name
+
+
+def run_all(configs: list[Config], cases: list[tuple[list[int], list[int]]], model, address: dict[str, str],
+            max_tokens: int) -> None:
+    """Every configuration on every case, interleaved case by case. `model`: the in-process
+    engine's target; `address`: service name (a Config's `where` or `drafter`) -> host:port."""
+    for pi, (ids, expected) in enumerate(cases):
+        for c in configs:
+            if c.where == "inproc":
+                run_inproc(c, model, ids, expected, max_tokens)
+            else:
+                run_remote(c, address, ids, expected, max_tokens)
+        print(f"prompt {pi + 1}/{len(cases)} done", file=sys.stderr)
+
+
+def run_inproc(c: Config, model, ids: list[int], expected: list[int], max_tokens: int) -> None:
+    """One generation on the in-process engine, added to `c`. The oracle uses seed 0, the drafter
+    service's, so it draws what the service's oracle draws."""
+    from specmesh.drafters import OracleDrafter
+    from specmesh.engine import SpecConfig, StopConditions, generate
+    from specmesh.sampling import SamplingParams
+
+    drafter = None
+    if c.drafter != "none":
+        drafter = OracleDrafter(ids + expected, 0.8, model.config.vocab_size, seed=0, draft_cost_s=c.cost_s)
+    res = generate(model, ids, SamplingParams(), StopConditions(max_tokens), drafter, SpecConfig(DEPTH, DEPTH))
+    s = res.stats
+    c.tokens += s.new_tokens
+    c.seconds += s.total_s
+    c.steps += s.steps
+    c.idle_s += s.draft_s
+    c.verify_s += s.verify_s
+    c.identical &= res.token_ids == expected
+
+
+def run_remote(c: Config, address: dict[str, str], ids: list[int], expected: list[int], max_tokens: int) -> None:
+    """One Generate on the verifier `c.where` with drafter `c.drafter` (chains of DEPTH), added to `c`."""
+    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(address[c.where]) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        spec = verifier_pb2.SpeculationOptions(disabled=c.drafter == "none", budget=DEPTH, depth=DEPTH,
+                                               no_pipelining=not c.pipelined)
+        req = verifier_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True, speculation=spec,
+                                           drafter_address=address[c.drafter] if c.drafter != "none" else "")
+        req.token_ids.ids.extend(ids)
+        out, t = [], time.perf_counter()
+        for r in stub.Generate(req, timeout=600):
+            if r.HasField("chunk"):
+                out.extend(r.chunk.token_ids)
+            else:
+                sp = r.complete.speculation
+        c.seconds += time.perf_counter() - t
+    c.tokens += len(out)
+    c.steps += sp.steps
+    c.idle_s += sp.draft_s
+    c.verify_s += sp.verify_s
+    c.hits += sp.predraft_hits
+    c.identical &= out == expected
 
 
 def summarise(configs: list[Config]) -> list[dict]:

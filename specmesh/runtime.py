@@ -6,6 +6,9 @@ target means the same thing everywhere.
 
 from __future__ import annotations
 
+import torch
+
+from specmesh.device import place
 from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.drafters.base import Drafter
 from specmesh.engine import StopConditions, generate
@@ -56,11 +59,11 @@ def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] 
     raise ValueError(f"drafter: unknown kind {kind!r}")
 
 
-def load_model_drafter(path: str):
+def load_model_drafter(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """`model:PATH`: a small causal LM (`ModelDrafter`) or, when its config says specmesh.kind =
-    "feature", a feature drafter (`FeatureDrafter`, EAGLE-style)."""
+    "feature", a feature drafter (`FeatureDrafter`, EAGLE-style); computing on `device`."""
     from specmesh.drafters.feature import FeatureDrafter
     from specmesh.drafters.model import ModelDrafter
 
-    draft = load_model(path)
+    draft = place(load_model(path, dtype), torch.device(device))
     return FeatureDrafter(draft) if draft.fc is not None else ModelDrafter(draft)

@@ -15,13 +15,20 @@ from verifier_service.config import parse_args
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
+    from specmesh.device import parse_dtype, resolve_device
     from specmesh.loader import bundled_target_path, load_model, load_tokenizer
     from verifier_service.server import build_server, serve_until_signal
     from verifier_service.turns import Verifier
 
     path = cfg.target or str(bundled_target_path())
     tokenizer = load_tokenizer(path)
-    if cfg.tp > 1:
+    try:
+        device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    except ValueError as e:
+        print(f"verifier_service: {e}", file=sys.stderr, flush=True)
+        return 2
+    batched = cfg.batched and device.type == "cpu"  # specmesh.batching drives a CPU model
+    if cfg.tp > 1 or device.type == "cuda":
         from verifier_service.tp_group import start_tp
         from verifier_service.tp_join import TPStartError
 
@@ -31,13 +38,14 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         try:
             model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads, listen=cfg.tp_listen or None,
-                             local_ranks=cfg.tp_local_ranks or None, start_timeout_s=cfg.tp_start_timeout_s)
+                             local_ranks=cfg.tp_local_ranks or None, start_timeout_s=cfg.tp_start_timeout_s,
+                             backend="nccl" if device.type == "cuda" else "gloo", dtype=dtype)
         except (TimeoutError, TPStartError) as e:  # a rank missing, refused or crashed: say which, exit
             print(f"verifier_service: {e}", file=sys.stderr, flush=True)
             return 1
     else:
-        model = load_model(path)
-        if cfg.batched:
+        model = load_model(path, dtype)
+        if batched:
             from specmesh.batching import BatchingTarget
 
             model = BatchingTarget(model)
@@ -46,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, threads/rank={cfg.threads}, "
-          f"batching {'on' if cfg.batched else 'off'})", flush=True)
+    backend = "nccl" if device.type == "cuda" else "gloo" if cfg.tp > 1 else "none"
+    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {cfg.dtype}, "
+          f"process group {backend}, threads/rank={cfg.threads}, batching {'on' if batched else 'off'})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
         from router.register import advertised_address, model_name, start_heartbeat
@@ -60,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if beat is not None:
             beat.stop()
         verifier.shutdown()
-        if cfg.tp > 1:
+        if cfg.tp > 1 or device.type == "cuda":
             model.shutdown()
     return 0
 

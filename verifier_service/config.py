@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from specmesh.device import DTYPES
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 from verifier_service.tp_join import parse_hostport
 
@@ -20,6 +21,8 @@ class VerifierConfig:
     tp_local_ranks: int = 0            # ranks started on this machine, rank 0 included (0 = all --tp)
     tp_start_timeout_s: float = 600.0  # every TP rank joined and loaded within this, else exit
     threads: int = 1                   # torch threads per rank
+    device: str = "auto"               # auto (cuda when available) | cpu | cuda: where rank 0 computes
+    dtype: str = "float32"             # weights and KV cache: float32 | bfloat16 | float16 (specmesh.device)
     drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
     budget: int = 8                    # default draft nodes per step
     depth: int = 4                     # default tree depth
@@ -59,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--tp-start-timeout-s", type=float,
                    default=float(env("SPECMESH_TP_START_TIMEOUT_S", d.tp_start_timeout_s)))
     p.add_argument("--threads", type=int, default=int(env("SPECMESH_THREADS", d.threads)))
+    p.add_argument("--device", default=env("SPECMESH_DEVICE", d.device),
+                   help="auto (cuda when available) | cpu | cuda: TP ranks on cuda:LOCAL_RANK over NCCL; "
+                        "--tp 1 on cuda initialises a one-rank NCCL group too")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=env("SPECMESH_DTYPE", d.dtype),
+                   help="weights and KV cache (float32 keeps greedy output bitwise the target's; see specmesh.device)")
     p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
     p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)))
     p.add_argument("--depth", type=int, default=int(env("SPECMESH_DEPTH", d.depth)))
@@ -83,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         p.error("--tp and --threads must be >= 1")
     if not 0 <= a.tp_local_ranks <= a.tp:
         p.error(f"--tp-local-ranks must be in 1..{a.tp} (0 = all)")
+    if a.device not in ("auto", "cpu") and not a.device.startswith("cuda"):
+        p.error(f"--device: expected auto, cpu or cuda, got {a.device!r}")
     if a.tp_listen:
         try:
             parse_hostport(a.tp_listen)

@@ -226,7 +226,7 @@ class TPModel:
                     log.warning("tp: worker %d did not stop within %.0f s; killing it", p.pid, grace_s)
                     p.kill()
                     p.wait()
-            if self.world_size > 1 and dist.is_initialized():
+            if (self.world_size > 1 or self.device.type == "cuda") and dist.is_initialized():
                 dist.destroy_process_group()
         if self._beat is not None:
             self._beat.join()
@@ -382,7 +382,8 @@ def start_tp(target_path: str | os.PathLike, world_size: int, threads_per_rank: 
     the missing ones; a rank that refuses (another world size or target) or exits: TPStartError.
     backend: "nccl" if CUDA is available else "gloo" (NCCL: local rank i on cuda:i); workers
     follow rank 0's choice. Sets this process's torch threads to `threads_per_rank`, as each
-    local worker does. `world_size` 1: no process group, no workers. Call `shutdown()` (or use
+    local worker does. `world_size` 1: no workers; a process group only with NCCL (initialised
+    and checked with one all-reduce). Call `shutdown()` (or use
     `with`) when done.
     """
     local_ranks = world_size if local_ranks is None else local_ranks
@@ -404,7 +405,20 @@ def start_tp(target_path: str | os.PathLike, world_size: int, threads_per_rank: 
         raise ValueError(f"tp: {local_ranks} local ranks need {local_ranks} GPUs, found {torch.cuda.device_count()}")
     device = _device(backend, 0)
     if world_size == 1:
-        return TPModel(load_model(folder, dtype).to(device), device)
+        model = load_model(folder, dtype).to(device)
+        if backend == "gloo":
+            return TPModel(model, device)
+        # On a GPU, as vLLM does at TP=1: the NCCL group exists and its communicator is checked
+        # now (one all-reduce), though one rank never all-reduces in a forward.
+        if dist.is_initialized():
+            raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
+        _init_group(backend, dist.HashStore(), 0, 1, timeout_s, 0)
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe)
+        torch.cuda.synchronize(device)
+        if probe.item() != 1.0:
+            raise RuntimeError(f"tp: NCCL all-reduce over one rank returned {probe.item()}, expected 1.0")
+        return TPModel(model, device, timeout_s=timeout_s)
     if dist.is_initialized():
         raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
     spec = GroupSpec(world_size, backend, str(dtype).removeprefix("torch."), timeout_s, tp_join.config_sha(cfg))
