@@ -20,13 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     from verifier_service.server import build_server, serve_until_signal
     from verifier_service.turns import Verifier
 
-    path = cfg.target or str(bundled_target_path())
-    tokenizer = load_tokenizer(path)
     try:
         device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
     except ValueError as e:
         print(f"verifier_service: {e}", file=sys.stderr, flush=True)
         return 2
+    path = cfg.target or str(bundled_target_path())
+    tokenizer = load_tokenizer(path)
     batched = cfg.batched and device.type == "cpu"  # specmesh.batching drives a CPU model
     if cfg.tp > 1 or device.type == "cuda":
         from verifier_service.tp_group import start_tp

@@ -1,0 +1,27 @@
+"""loadtest.gpu_check end to end on the CPU (`--device cpu --preset tiny`): the script the GPU
+check runs, with the same services, flags and summary; only the device and the model size differ."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest import gpu_check
+
+
+def test_gpu_check_runs_every_configuration_and_reproduces_the_target(tmp_path) -> None:
+    out = tmp_path / "gc.json"
+    rc = gpu_check.main(["--device", "cpu", "--preset", "tiny", "--prompts", "1", "--prompt-len", "16",
+                         "--max-tokens", "12", "--out", str(out), "--commit", "test"])
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    assert rc == 0 and all(r.get("identical_to_target", True) for r in rows.values())
+    meta = data["meta"]
+    assert meta["commit"] == "test" and meta["device"] == "cpu" and meta["dtype"] == "float32"
+    assert "(tp=1, cpu, float32, process group none" in meta["verifier"]
+    for name in ("tp1 autoregressive", "tp1 o8 pipelining off", "tp1 o8 pipelining on",
+                 "tp1 model drafter (random, same device) pipelining on"):
+        assert rows[name]["tokens_per_s"] > 0
+    # the oracle at 0.8 verifies more than one token per step; the overhead row compares like with like
+    assert rows["tp1 oracle 0.8 cost-free pipelining off"]["tokens_per_step"] > 1
+    assert rows["per-step gRPC overhead (s)"]["same_steps"] is True
+    assert rows["tp1 o8 pipelining on"]["gamma_c"] > 0 and rows["tp1 o8 pipelining on"]["draft_cost_s_per_level"] > 0
