@@ -3,6 +3,10 @@ the chunks back. Domain errors map to status codes in `_status_for` (one place).
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
+
 import grpc
 
 from specmesh.convert import sampling_from_pb
@@ -71,8 +75,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         out = Outcome()
         try:
             turn = self.to_turn(request)
-            for chunk in self.v.run(turn, context.is_active, out):
-                yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=chunk.token_ids, text=chunk.text))
+            for chunks in run_ahead(self.v.run(turn, context.is_active, out)):
+                ids = [t for c in chunks for t in c.token_ids]
+                text = "".join(c.text for c in chunks)
+                yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=ids, text=text))
         except (ValueError, SessionBusyError, TPGroupError) as e:
             context.abort(_status_for(e), str(e))
         s = out.result.stats
@@ -91,3 +97,60 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def CloseSession(self, request, context):
         return verifier_pb2.CloseSessionResponse(existed=self.v.sessions.drop(request.session_id))
+
+
+_END = object()
+
+
+def run_ahead(it: Iterator) -> Iterator[list]:
+    """Run `it` in a thread of its own, started now, and yield what it produced since the last
+    yield (one or more items, in order): the turn's next step runs while gRPC sends this one's
+    chunk, instead of waiting for the send to complete (a sync server's streaming send blocks
+    until the transport took the message). Its exception is raised here after the items before
+    it; closing this generator (the client went away) stops `it` at its next item, closes it in
+    its own thread and waits for that."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in it:
+                q.put(item)
+                if stop.is_set():
+                    break
+        except BaseException as e:  # handed to the consumer, raised there
+            q.put(_Raised(e))
+        finally:
+            if hasattr(it, "close"):
+                it.close()
+            q.put(_END)
+
+    thread = threading.Thread(target=produce, name="turn", daemon=True)
+    thread.start()
+    return _drain(q, stop, thread)
+
+
+class _Raised:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _drain(q: queue.SimpleQueue, stop: threading.Event, thread: threading.Thread) -> Iterator[list]:
+    try:
+        while True:
+            batch = [q.get()]
+            while not q.empty():
+                batch.append(q.get())
+            items = [x for x in batch if x is not _END and not isinstance(x, _Raised)]
+            if items:
+                yield items
+            for x in batch:
+                if isinstance(x, _Raised):
+                    raise x.exc
+            if batch[-1] is _END:
+                return
+    finally:
+        # The turn never outlives the RPC: it calls into the RPC's context (is_active), which gRPC
+        # tears down once the handler returns. A cancelled turn stops within a step.
+        stop.set()
+        thread.join()
