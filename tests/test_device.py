@@ -76,3 +76,11 @@ def test_drafter_device_settings_only_for_model_drafters() -> None:
     with pytest.raises(ValueError, match="dtype: expected one of"):
         DrafterServiceConfig(drafter="model:/x", dtype="fp8").validate()
     DrafterServiceConfig(drafter="model:/x", device="cpu", dtype="bfloat16").validate()
+
+
+def test_verifier_takes_no_gpu_index() -> None:
+    from verifier_service.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cuda:1"])  # rank r is on cuda:r; CUDA_VISIBLE_DEVICES picks the GPUs
+    assert parse_args(["--device", "cpu", "--dtype", "bfloat16"]).dtype == "bfloat16"

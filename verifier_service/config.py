@@ -21,7 +21,7 @@ class VerifierConfig:
     tp_local_ranks: int = 0            # ranks started on this machine, rank 0 included (0 = all --tp)
     tp_start_timeout_s: float = 600.0  # every TP rank joined and loaded within this, else exit
     threads: int = 1                   # torch threads per rank
-    device: str = "auto"               # auto (cuda when available) | cpu | cuda: where rank 0 computes
+    device: str = "auto"               # auto (cuda when available) | cpu | cuda (rank r on cuda:r)
     dtype: str = "float32"             # weights and KV cache: float32 | bfloat16 | float16 (specmesh.device)
     drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
     budget: int = 8                    # default draft nodes per step
@@ -91,8 +91,9 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         p.error("--tp and --threads must be >= 1")
     if not 0 <= a.tp_local_ranks <= a.tp:
         p.error(f"--tp-local-ranks must be in 1..{a.tp} (0 = all)")
-    if a.device not in ("auto", "cpu") and not a.device.startswith("cuda"):
-        p.error(f"--device: expected auto, cpu or cuda, got {a.device!r}")
+    if a.device not in ("auto", "cpu", "cuda"):
+        p.error(f"--device: expected auto, cpu or cuda, got {a.device!r} (rank r uses cuda:r; choose the GPUs "
+                "with CUDA_VISIBLE_DEVICES)")
     if a.tp_listen:
         try:
             parse_hostport(a.tp_listen)
