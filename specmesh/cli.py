@@ -121,7 +121,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specmesh.engine import SpecConfig, StopConditions, generate_stream, GenerationResult
     from specmesh.runtime import encode_prompt, load_target, make_drafter, reference_continuation
     from specmesh.sampling import SamplingParams
-    from specmesh.text import visible
+    from specmesh.text import TextStream
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,19 +142,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     drafter = make_drafter(kind, arg, model, reference)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     res = GenerationResult()
-    shown = ""
-    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res):
+    stream = TextStream(decode, stop.stop_strings)
+    for ids in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res):
+        delta = stream.push(ids)
         if not args.json:
-            text = visible(decode(res.token_ids), stop.stop_strings, final=False)
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-    text = visible(decode(res.token_ids), stop.stop_strings, final=True)
+            print(delta, end="", flush=True)
+    tail = stream.finish()
+    text = stream.shown
     stats = res.stats.to_dict() | {"finish_reason": res.finish_reason, "drafter": args.drafter,
                                    "threads": torch.get_num_threads()}
     if args.json:
         print(json.dumps({"text": text, "token_ids": res.token_ids, "stats": stats}))
     else:
-        print(text[len(shown):])
+        print(tail)
         print(_summary(stats), file=sys.stderr)
     return 0
 

@@ -53,21 +53,47 @@ def visible(text: str, strings: tuple[str, ...], final: bool) -> str:
 
 @dataclass
 class TextStream:
-    """Text deltas of a growing list of tokens."""
+    """Text deltas of a growing list of tokens, decoded incrementally: each push decodes only the
+    new tokens with the ones pushed just before them as context (`decode(tokens[ctx:])` minus
+    `decode(tokens[ctx:read])`: the context settles a tokenizer's leading-space rules), so a push
+    costs the size of the push, not of everything before it (a whole-text decode is 1.4 ms at 2,048
+    tokens on this project's CPU, per step). A tail that decodes to an incomplete UTF-8 character
+    is held until the character completes (or `finish`). Should the windowed decode ever disagree
+    with what it decoded before, the stream re-decodes the whole text once."""
     decode: Decode
     strings: tuple[str, ...] = ()
     shown: str = ""
     tokens: list[int] = field(default_factory=list)
+    _text: str = ""  # decode(tokens[:_read]), settled
+    _ctx: int = 0    # tokens[_ctx:_read]: the context the next decode starts from
+    _read: int = 0
 
     def push(self, ids: Sequence[int]) -> str:
         self.tokens.extend(ids)
-        return self._delta(final=False)
+        return self._delta(self._decoded(final=False), final=False)
 
     def finish(self) -> str:
-        return self._delta(final=True)
+        return self._delta(self._decoded(final=True), final=True)
 
-    def _delta(self, final: bool) -> str:
-        text = visible(self.decode(self.tokens), self.strings, final)
+    def _decoded(self, final: bool) -> str:
+        """The text of all tokens: settled + pending (pending only in full when `final`, else up
+        to an incomplete character)."""
+        if self._read == len(self.tokens):
+            return self._text
+        ctx = self.decode(self.tokens[self._ctx:self._read])
+        new = self.decode(self.tokens[self._ctx:])
+        if not new.startswith(ctx):  # the context decodes otherwise now: start over, whole
+            self._text, self._ctx, self._read = "", 0, 0
+            ctx, new = "", self.decode(self.tokens)
+        tail = new[len(ctx):]
+        if tail.endswith("\ufffd") and not final:
+            return self._text + tail.rstrip("\ufffd")
+        self._text += tail
+        self._ctx, self._read = self._read, len(self.tokens)
+        return self._text
+
+    def _delta(self, decoded: str, final: bool) -> str:
+        text = visible(decoded, self.strings, final)
         if len(text) <= len(self.shown):
             return ""
         delta, self.shown = text[len(self.shown):], text

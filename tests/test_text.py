@@ -36,3 +36,57 @@ def test_text_stream_deltas_add_up():
     s = TextStream(letters, ("de",))
     deltas = [s.push([0, 1]), s.push([2, 3]), s.push([4, 5]), s.finish()]
     assert deltas == ["ab", "c", "", ""] and s.shown == "abc" and s.tokens == [0, 1, 2, 3, 4, 5]
+
+
+def test_text_stream_decodes_only_the_new_tokens_and_their_context():
+    sizes = []
+
+    def counting(ids):
+        sizes.append(len(ids))
+        return letters([i % 26 for i in ids])
+
+    s = TextStream(counting)
+    out = "".join(s.push([i]) for i in range(500)) + s.finish()
+    assert out == letters([i % 26 for i in range(500)])
+    assert max(sizes) <= 2  # the pushed token and the one before it, however long the text
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from specmesh.loader import bundled_target_path, load_tokenizer
+
+    return load_tokenizer(bundled_target_path())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("stops", [(), ("ün",), ("\n\n",)])
+def test_incremental_text_is_the_whole_decode(smollm2_tokenizer, seed, stops):
+    """Multi-byte characters split across tokens (emoji, CJK, accents), leading spaces, newlines,
+    pushed in random chunks: the deltas add up to what decoding the whole text shows, and every
+    text shown on the way is a prefix of it."""
+    import random
+
+    tok = smollm2_tokenizer
+    text = ("Grüße aus Köln! 你好，世界 🙂👍🏽 café\n\n  def f(x):\n    return x ** 2  # naïve\n"
+            "Ünïcödé ✓ — done 🎉")
+    ids = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(seed)
+    tokens = ids
+    if seed == 3:  # chunks of 3 tokens scrambled: characters' bytes apart, invalid sequences
+        chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]
+        rng.shuffle(chunks)
+        tokens = [t for c in chunks for t in c]
+
+    def decode(x):
+        return tok.decode(x, skip_special_tokens=True)
+
+    s = TextStream(decode, stops)
+    whole = visible(decode(tokens), stops, final=True)
+    out, i = "", 0
+    while i < len(tokens):
+        n = rng.randint(1, 4)
+        out += s.push(tokens[i:i + n])
+        assert whole.startswith(s.shown)
+        i += n
+    out += s.finish()
+    assert out == whole == s.shown

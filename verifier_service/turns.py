@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, run_turn
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.text import visible
+from specmesh.text import TextStream
 from verifier_service.config import VerifierConfig
 from verifier_service.drafter_link import DrafterLink, LinkPool, RemoteDrafts
 from verifier_service.sessions import Session, SessionStore
@@ -141,27 +141,22 @@ class Verifier:
         source = self._drafts(session, sid, target, turn)
         res = out.result
         res.stats.prompt_tokens = out.prompt_tokens
-        shown = ""
+        text = TextStream(self.decode, turn.stop.stop_strings)  # decodes each step's tokens, not the whole text
         t0 = time.perf_counter()
         try:
             for ids in run_turn(target, source, params, generator, turn.stop, self.decode, res):
-                text = self._visible(res.token_ids, turn.stop.stop_strings)
-                yield Chunk(ids, text[len(shown):])
-                shown = text
+                yield Chunk(ids, text.push(ids))
                 if not is_active():
                     res.finish_reason = "cancelled"
                     break
             out.finish_reason = res.finish_reason
-            final = self._visible(res.token_ids, turn.stop.stop_strings, final=True)
-            if len(final) > len(shown):
-                yield Chunk([], final[len(shown):])
+            tail = text.finish()
+            if tail:
+                yield Chunk([], tail)
         finally:
             res.stats.total_s = time.perf_counter() - t0
             if source is not None:  # the drafter session stays with the session (closed with it)
                 out.timeouts, out.predraft_hits = source.timeouts, source.predraft_hits
-
-    def _visible(self, ids: list[int], stop_strings: tuple[str, ...], final: bool = False) -> str:
-        return visible(self.decode(ids), stop_strings, final)
 
     def shutdown(self) -> None:
         self.links.shutdown()
