@@ -21,6 +21,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadtest.bench_engine import _commit
 from specmesh.convert import sampling_to_pb
 from specmesh.launch import start
 from specmesh.sampling import SamplingParams
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(drafter.address, args.n, args.gap_s)
     finally:
         drafter.stop()
-    res["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "drafter": "ngram (random context: empty trees)",
+    res["meta"] = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "drafter": "ngram (random context: empty trees)",
                    "gap_s": args.gap_s}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
