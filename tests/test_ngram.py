@@ -11,19 +11,14 @@ from specmesh.drafters.ngram import MAX_MATCHES, find_continuations
 
 
 def scan(context: list[int], max_ngram: int, min_ngram: int, length: int) -> list[list[int]]:
-    """The definition, as a plain loop over every earlier position."""
+    """The definition, spelled out: every earlier position, then the distinct non-empty ones."""
     n_ctx = len(context)
     for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
-        suffix = context[n_ctx - n:]
-        found: list[list[int]] = []
-        for start in range(n_ctx - n - 1, -1, -1):
-            cont = context[start + n:start + n + length]
-            if context[start:start + n] == suffix and cont and cont not in found:
-                found.append(cont)
-                if len(found) >= MAX_MATCHES:
-                    break
-        if found:
-            return found
+        conts = [context[s + n:s + n + length] for s in range(n_ctx - n - 1, -1, -1)
+                 if context[s:s + n] == context[n_ctx - n:]]
+        distinct = [c for i, c in enumerate(conts) if c and c not in conts[:i]][:MAX_MATCHES]
+        if distinct:
+            return distinct
     return []
 
 
