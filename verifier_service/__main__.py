@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     path = cfg.target or str(bundled_target_path())
     tokenizer = load_tokenizer(path)
     batched = cfg.batched and device.type == "cpu"  # specmesh.batching drives a CPU model
-    if cfg.tp > 1 or device.type == "cuda":
+    grouped = cfg.tp > 1 or device.type == "cuda"  # a TPModel: several ranks, or the one-rank NCCL group
+    backend = ("nccl" if device.type == "cuda" else "gloo") if grouped else "none"
+    if grouped:
         from verifier_service.tp_group import start_tp
         from verifier_service.tp_join import TPStartError
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads, listen=cfg.tp_listen or None,
                              local_ranks=cfg.tp_local_ranks or None, start_timeout_s=cfg.tp_start_timeout_s,
-                             backend="nccl" if device.type == "cuda" else "gloo", dtype=dtype)
+                             backend=backend, dtype=dtype)
         except (TimeoutError, TPStartError) as e:  # a rank missing, refused or crashed: say which, exit
             print(f"verifier_service: {e}", file=sys.stderr, flush=True)
             return 1
@@ -54,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    backend = "nccl" if device.type == "cuda" else "gloo" if cfg.tp > 1 else "none"
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {cfg.dtype}, "
           f"process group {backend}, threads/rank={cfg.threads}, batching {'on' if batched else 'off'})", flush=True)
     beat = None
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if beat is not None:
             beat.stop()
         verifier.shutdown()
-        if cfg.tp > 1 or device.type == "cuda":
+        if grouped:
             model.shutdown()
     return 0
 

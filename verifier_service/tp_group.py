@@ -404,14 +404,14 @@ def start_tp(target_path: str | os.PathLike, world_size: int, threads_per_rank: 
     if backend == "nccl" and torch.cuda.device_count() < local_ranks:
         raise ValueError(f"tp: {local_ranks} local ranks need {local_ranks} GPUs, found {torch.cuda.device_count()}")
     device = _device(backend, 0)
+    if (world_size > 1 or backend == "nccl") and dist.is_initialized():
+        raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
     if world_size == 1:
         model = load_model(folder, dtype).to(device)
         if backend == "gloo":
             return TPModel(model, device)
         # On a GPU, as vLLM does at TP=1: the NCCL group exists and its communicator is checked
         # now (one all-reduce), though one rank never all-reduces in a forward.
-        if dist.is_initialized():
-            raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
         _init_group(backend, dist.HashStore(), 0, 1, timeout_s, 0)
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe)
@@ -419,8 +419,6 @@ def start_tp(target_path: str | os.PathLike, world_size: int, threads_per_rank: 
         if probe.item() != 1.0:
             raise RuntimeError(f"tp: NCCL all-reduce over one rank returned {probe.item()}, expected 1.0")
         return TPModel(model, device, timeout_s=timeout_s)
-    if dist.is_initialized():
-        raise RuntimeError("tp: this process already has a torch.distributed group (one TPModel per process)")
     spec = GroupSpec(world_size, backend, str(dtype).removeprefix("torch."), timeout_s, tp_join.config_sha(cfg))
     store, master, advertised = tp_join.open_store(listen, world_size, spec, start_timeout_s)
     if local_ranks < world_size:
