@@ -242,9 +242,11 @@ def summarise(configs: list[Config]) -> list[dict]:
 
 
 def format_table(meta: dict, results: list[dict]) -> str:
+    low = meta.get("low_draft_cost_s_per_level")
+    costs = (f"{meta['draft_cost_s_per_level']}s/level (o6, o8) and {low}s/level (o8l)"
+             if isinstance(low, (int, float)) else f"{meta['draft_cost_s_per_level']}s/level (o8)")
     lines = [f"commit {meta['commit']} · {meta['prompts']} prompts x {meta['max_tokens']} tokens · chains of "
-             f"{meta['depth']} · oracle draft cost {meta['draft_cost_s_per_level']}s/level (o6, o8) and "
-             f"{meta['low_draft_cost_s_per_level']}s/level (o8l) · {meta['threads']}",
+             f"{meta['depth']} · oracle draft cost {costs} · {meta['threads']}",
              "| configuration | tok/s | speedup vs AR | tokens/step E' | verify cost v | idle fraction | predraft hits "
              "| γc | seq. bound E'/(1+γc) | pipelined bound E'/max(1,γc) (of) | hw pipelined bound E'/max(v,γc) (of) "
              "| identical |",

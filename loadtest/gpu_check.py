@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": f"random Llama ({args.preset}: {PRESETS[args.preset]}, vocab {vocab}), {params / 1e9:.2f}B",
             "verifier": verifier_line, "prompts": len(cases), "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "depth": DEPTH, "draft_cost_s_per_level": round(cost_s, 5),
-            "low_draft_cost_s_per_level": "-", "reference_step_s": round(step_s, 5),
+            "reference_step_s": round(step_s, 5),
             "threads": f"{args.threads} torch thread(s) per process",
             "note": "chains (budget = depth = 4); EOS ignored; random prompts; ratios from one run, interleaved per "
                     "prompt; o8 = oracle 0.8 with draft cost"}
