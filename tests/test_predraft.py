@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from specmesh.drafters import NgramDrafter, predraft
-from specmesh.drafters.base import Children, ContextSession, children_from_probs, grow_tree
+from specmesh.drafters.base import Children, ContextSession, children_from_probs, grow_tree, grow_trees
 from specmesh.drafters.predraft import (
     DraftAhead,
     SessionClosedError,
@@ -24,7 +24,7 @@ from specmesh.drafters.predraft import (
     useful_depth,
 )
 from specmesh.sampling import SamplingParams, make_generator, sample_token, verify_sampling
-from specmesh.tree import ROOT, DraftTree, children_of, validate_tree
+from specmesh.tree import ROOT, DraftTree, children_of, depths, validate_tree
 
 GREEDY = SamplingParams()
 SAMPLE = SamplingParams(temperature=1.0, seed=3)
@@ -186,7 +186,7 @@ def test_draft_ahead_hit_and_miss_ngram() -> None:
     h = [first.tree.tokens[i] for i in main_path(first.tree)]
 
     # hit: the main path accepted whole, the bonus is the predraft's first root child
-    assert _units(ahead) == min(4, len(h) + 1) and not ahead.predraft()  # the likeliest outcomes, once
+    assert _units(ahead) == min(predraft.PREDRAFT_MAX_OUTCOMES, len(h) + 1) and not ahead.predraft()  # the likeliest outcomes, once
     p = NgramDrafter().open(ctx + h).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY))
     bonus = p.tokens[0]
     hit = ahead.commit(0, h, bonus, 8, 4)
@@ -250,7 +250,7 @@ class _Counting(ContextSession):
 
 def test_predrafts_are_the_likeliest_outcomes_deepest_first() -> None:
     rec = _Recording(_Counting(list(range(14))))
-    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True, paced=False)
+    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True, paced=False, max_outcomes=4)
     st = ahead.first(4, 4)
     h = [st.tree.tokens[i] for i in main_path(st.tree)]
     assert len(h) == 4
@@ -349,6 +349,96 @@ def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
     assert hits >= 3
 
 
+# --- Trees grown together (grow_trees, draft_many): the trees each would be alone, one expansion per level ---
+
+def _scripted(seed: int):
+    """A deterministic expand: children of a node depend on its tree's root and its path only."""
+    def children(root: int, path: tuple[int, ...], count: int) -> Children:
+        rng = np.random.default_rng([seed, root, *path])
+        toks = rng.choice(40, size=count + 2, replace=False).tolist()[:count]
+        return Children(toks, sorted(rng.uniform(-3, 0, size=count).tolist(), reverse=True))
+    return children
+
+
+@pytest.mark.parametrize("shapes", [
+    [(8, 4, ()), (4, 4, (5,)), (16, 3, ()), (1, 1, ())],
+    [(2, 6, ()), (12, 2, (1, 2))],
+    [(0, 3, ()), (6, 3, ())],  # an empty tree beside a full one
+])
+def test_grow_trees_grows_each_tree_as_alone_one_expansion_per_level(shapes) -> None:
+    children = _scripted(7)
+    calls = []
+
+    def together(trees, nodes, paths, counts):
+        calls.append(len(nodes))
+        return [children(t, p, c) for t, p, c in zip(trees, paths, counts)]
+
+    grown = grow_trees(together, shapes)
+    for t, (budget, depth, exclude) in enumerate(shapes):
+        alone = grow_tree(lambda _n, paths, counts, t=t: [children(t, p, c) for p, c in zip(paths, counts)],
+                          budget, depth, exclude)
+        assert grown[t] == alone
+        assert not set(alone.tokens[i] for i in children_of(alone)[ROOT]) & set(exclude)
+    deepest = max((max(depths(g.parents), default=0) for g in grown), default=0)
+    assert len(calls) == deepest, "one expand call per level, for all trees"
+
+
+def test_model_draft_many_matches_fresh_drafts_in_the_forwards_of_one(tiny_model) -> None:
+    from specmesh.drafters.model import ModelDrafter
+
+    drafter = ModelDrafter(tiny_model)
+    ctx = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    roots, excludes = [10, 7, 6, 9], [(), (1, 2), (), (60,)]
+    for params in (GREEDY, SAMPLE):
+        session = drafter.open(ctx)
+        session.draft(4, 4, params, make_generator(params))  # a cache already holding the context
+        forwards = []
+        hook = tiny_model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            many = session.draft_many(roots, 8, 5, params, make_generator(params), excludes)
+        finally:
+            hook.remove()
+        assert len(forwards) == 5, "one forward for the context, then one per level below the roots"
+        assert session.context == ctx
+        for r, ex, tree in zip(roots, excludes, many):
+            validate_tree(tree, 64, 8, 5, need_q=not params.greedy)
+            assert max(depths(tree.parents)) == 5 and len(tree) == 8
+            if params.greedy:  # sampled trees differ in their draws, not in their shapes
+                assert tree == drafter.open(ctx[:r]).draft(8, 5, params, make_generator(params), ex)
+        # the session drafts on normally afterwards
+        session.commit([4, 4])
+        assert session.draft(6, 3, GREEDY, make_generator(GREEDY)) == \
+            drafter.open(ctx + [4, 4]).draft(6, 3, GREEDY, make_generator(GREEDY))
+
+
+def test_oracle_draft_many_costs_one_level_per_level() -> None:
+    import time
+
+    from specmesh.drafters import OracleDrafter
+
+    ref = list(range(100, 140))
+    oracle = OracleDrafter(ref, alpha=1.0, vocab_size=200, draft_cost_s=0.05)
+    session = oracle.open(ref[:20])
+    t = time.perf_counter()
+    many = session.draft_many([20, 17, 15], 4, 4, GREEDY, make_generator(GREEDY), [(), (), ()])
+    elapsed = time.perf_counter() - t
+    assert [m.tokens for m in many] == [ref[20:24], ref[17:21], ref[15:19]]  # alpha 1: the reference
+    assert 0.2 <= elapsed < 0.4, f"4 levels at 0.05 s each, whatever the number of trees: {elapsed:.3f} s"
+
+
+def test_draft_ahead_predrafts_every_outcome_in_one_unit_with_draft_many() -> None:
+    pools = _Pools(0)
+    ahead = DraftAhead(_MarkovManySession([0, 1, 2], pools), 3, GREEDY, pipelined=True, paced=False)
+    st = ahead.first(4, 4)
+    h = [st.tree.tokens[i] for i in main_path(st.tree)]
+    assert _units(ahead) == 1 and ahead.predrafts == len(h) + 1
+    # a hit on a partial outcome: the session held the whole main path and rolls back to it
+    pred = ahead._predrafts[tuple(h[:1])]
+    bonus = next(pred.tokens[c] for c in children_of(pred)[ROOT] if children_of(pred)[c])
+    hit = ahead.commit(0, h[:1], bonus, 4, 4)
+    assert hit.predrafted and ahead.session.context == [0, 1, 2, h[0], bonus]
+
+
 # --- Statistical losslessness through predrafted trees ---
 #
 # A Markov toy: the target's distribution after token x is TABLE[x], the drafter's Q_TABLE[x]
@@ -401,17 +491,27 @@ class _MarkovSession:
     def close(self) -> None:
         pass
 
+    def children(self, x: int, count: int) -> Children:
+        kids = self.pools.draw(x, count)
+        ids, probs = self.pools.sparse[x]
+        return Children(kids, [float(np.log(probs[k])) for k in kids], ids, probs)
+
     def draft(self, budget, depth, params, generator, exclude_root=()) -> DraftTree:
         def expand(_nodes, paths, counts) -> list[Children]:
-            out = []
-            for path, count in zip(paths, counts):
-                x = path[-1] if path else self.context[-1]
-                kids = self.pools.draw(x, count)
-                ids, probs = self.pools.sparse[x]
-                out.append(Children(kids, [float(np.log(probs[k])) for k in kids], ids, probs))
-            return out
+            return [self.children(p[-1] if p else self.context[-1], c) for p, c in zip(paths, counts)]
 
         return grow_tree(expand, budget, depth, exclude_root)
+
+
+class _MarkovManySession(_MarkovSession):
+    """The same drafter, predrafting every outcome at once (`draft_many`, `grow_trees`)."""
+
+    def draft_many(self, roots, budget, depth, params, generator, excludes) -> list[DraftTree]:
+        def expand(trees, _nodes, paths, counts) -> list[Children]:
+            return [self.children(p[-1] if p else self.context[roots[t] - 1], c)
+                    for t, p, c in zip(trees, paths, counts)]
+
+        return grow_trees(expand, [(budget, depth, ex) for ex in excludes])
 
 
 def _target_rows(context_last: int, tree: DraftTree) -> torch.Tensor:
@@ -421,7 +521,7 @@ def _target_rows(context_last: int, tree: DraftTree) -> torch.Tensor:
 TRIALS = 3000
 
 
-def _run(trials: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _run(trials: int, seed: int, session=_MarkovSession) -> tuple[np.ndarray, np.ndarray]:
     """Counts [V, V, V] of the first three output tokens, and [V, V] of (bonus b, next token)
     over the trials whose second tree was predrafted."""
     verifier = torch.Generator().manual_seed(seed + 1)
@@ -429,7 +529,7 @@ def _run(trials: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     counts = np.zeros((V,) * 3, dtype=np.int64)
     after_hit = np.zeros((V, V), dtype=np.int64)
     for _ in range(trials):
-        ahead = DraftAhead(_MarkovSession([0], pools), 1, SAMPLE, pipelined=True, paced=False)
+        ahead = DraftAhead(session([0], pools), 1, SAMPLE, pipelined=True, paced=False)
         st, out = ahead.first(2, 1), []
         for step in range(2):
             while ahead.predraft():  # both outcomes: the main path accepted, or nothing
@@ -470,8 +570,9 @@ def lossless_run() -> tuple[np.ndarray, np.ndarray]:
     return _run(TRIALS, seed=1)
 
 
-def test_output_through_predrafted_trees_is_target_distribution(lossless_run) -> None:
-    counts, after_hit = lossless_run
+@pytest.mark.parametrize("session", [_MarkovSession, _MarkovManySession], ids=["one-by-one", "all-at-once"])
+def test_output_through_predrafted_trees_is_target_distribution(session, lossless_run) -> None:
+    counts, after_hit = lossless_run if session is _MarkovSession else _run(TRIALS, seed=2, session=session)
     assert after_hit.sum() > TRIALS // 20, f"too few predraft hits ({after_hit.sum()}) to mean anything"
     assert min(_p_values(counts, after_hit)) > 1e-3
 

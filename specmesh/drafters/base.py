@@ -10,6 +10,7 @@ best get one each, within the node budget, keeping one node for every deeper lev
 the drafter's `expand` for that many children per node. For sampling, `expand` draws them
 i.i.d. from a q it reports, so the shape never depends on the children's own values — the
 condition `sampling.verify_sampling` needs to stay lossless. A chain is `budget == depth`.
+`grow_trees` grows several trees together, one `expand` call per level for all of them.
 """
 
 from __future__ import annotations
@@ -54,54 +55,98 @@ def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[
     that many more children and drops those tokens. The root's children are then no longer plain
     draws from the root's q, so such a tree is only for re-rooting: under sampling only subtrees
     under its root's children may be verified (`specmesh.drafters.predraft`), never the tree."""
-    depth = min(depth, budget)
-    if depth <= 0:
-        return DraftTree.empty()
-    width = tree_width(budget, depth)
-    tokens: list[int] = []
-    parents: list[int] = []
-    score: dict[int, float] = {ROOT: 0.0}
-    path: dict[int, tuple[int, ...]] = {ROOT: ()}
-    q_nodes: list[int] = []
-    q_ids: list[list[int]] = []
-    q_probs: list[list[float]] = []
-    frontier = [ROOT]
-    for level in range(1, depth + 1):
-        # 1. plan the shape from the frontier's scores only
-        allowed = budget - len(tokens) - (depth - level)
-        ranked = sorted(frontier, key=lambda n: -score[n])[:width]
+    return grow_trees(lambda _trees, nodes, paths, counts: expand(nodes, paths, counts),
+                      [(budget, depth, exclude_root)])[0]
+
+
+# expand(trees, nodes, paths, counts) -> Children per entry: as ExpandFn, each entry also naming
+# which of the trees being grown together its node belongs to (an index into grow_trees' shapes).
+TreesExpandFn = Callable[[list[int], list[int], list[tuple[int, ...]], list[int]], list[Children]]
+
+
+def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[int]]]) -> list[DraftTree]:
+    """Several trees grown together, one `expand` call per level for all of them: tree i has shape
+    `shapes[i]` = (budget, depth, exclude_root) and grows exactly as `grow_tree` would grow it
+    alone (its shape is planned from its own frontier only), so each is as lossless as a tree
+    drafted on its own. A drafter whose level costs one forward whatever its width (a small model
+    on an accelerator) drafts many trees for the price of the deepest: drafting ahead
+    (`specmesh.drafters.predraft`) predrafts every likely outcome of a step at once this way."""
+    growing = [_Growth(*shape) for shape in shapes]
+    level = 1
+    while True:
+        trees: list[int] = []
+        nodes: list[int] = []
+        counts: list[int] = []
+        for t, g in enumerate(growing):
+            for node, count in zip(*g.plan(level)):
+                trees.append(t)
+                nodes.append(node)
+                counts.append(count)
+        if not nodes:
+            return [g.tree() for g in growing]
+        asked = [c + len(growing[t].exclude) if n == ROOT else c for t, n, c in zip(trees, nodes, counts)]
+        kids = expand(trees, nodes, [growing[t].path[n] for t, n in zip(trees, nodes)], asked)
+        for t, g in enumerate(growing):
+            g.frontier = []
+        for t, node, count, k in zip(trees, nodes, counts, kids):
+            growing[t].attach(node, count, k)
+        level += 1
+
+
+class _Growth:
+    """One tree of `grow_trees`: at each level it decides how many children each frontier node
+    gets from the frontier's scores alone (the best node gets `width`, the next `width - 1` best
+    one each, within the node budget, keeping one node for every deeper level)."""
+
+    def __init__(self, budget: int, depth: int, exclude_root: Sequence[int]) -> None:
+        self.budget = budget
+        self.depth = min(depth, budget)
+        self.exclude = tuple(exclude_root)
+        self.width = tree_width(budget, self.depth)
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.score: dict[int, float] = {ROOT: 0.0}
+        self.path: dict[int, tuple[int, ...]] = {ROOT: ()}
+        self.q_nodes: list[int] = []
+        self.q_ids: list[list[int]] = []
+        self.q_probs: list[list[float]] = []
+        self.frontier = [ROOT] if self.depth > 0 else []
+
+    def plan(self, level: int) -> tuple[list[int], list[int]]:
+        """The nodes to expand at `level` and how many children each gets (none: the tree is done)."""
+        if level > self.depth:
+            return [], []
+        allowed = self.budget - len(self.tokens) - (self.depth - level)
         nodes, counts = [], []
-        for i, node in enumerate(ranked):
-            c = min(width if i == 0 else 1, allowed)
+        for i, node in enumerate(sorted(self.frontier, key=lambda n: -self.score[n])[:self.width]):
+            c = min(self.width if i == 0 else 1, allowed)
             if c <= 0:
                 break
             nodes.append(node)
             counts.append(c)
             allowed -= c
-        if not nodes:
-            break
-        # 2. expand, 3. attach
-        frontier = []
-        asked = [c + len(exclude_root) if n == ROOT else c for n, c in zip(nodes, counts)]
-        for node, count, kids in zip(nodes, counts, expand(nodes, [path[n] for n in nodes], asked)):
-            if node == ROOT and exclude_root:
-                kept = [i for i, t in enumerate(kids.tokens) if t not in exclude_root][:count]
-                kids = Children([kids.tokens[i] for i in kept], [kids.logprobs[i] for i in kept],
-                                kids.q_ids, kids.q_probs)
-            assert len(kids.tokens) <= count
-            if kids.q_ids is not None:
-                q_nodes.append(node)
-                q_ids.append(kids.q_ids)
-                q_probs.append(kids.q_probs)
-            for tok, lp in zip(kids.tokens, kids.logprobs):
-                score[len(tokens)] = score[node] + lp
-                path[len(tokens)] = path[node] + (tok,)
-                frontier.append(len(tokens))
-                tokens.append(tok)
-                parents.append(node)
-        if not frontier:
-            break
-    return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)
+        return nodes, counts
+
+    def attach(self, node: int, count: int, kids: Children) -> None:
+        if node == ROOT and self.exclude:
+            kept = [i for i, t in enumerate(kids.tokens) if t not in self.exclude][:count]
+            kids = Children([kids.tokens[i] for i in kept], [kids.logprobs[i] for i in kept],
+                            kids.q_ids, kids.q_probs)
+        assert len(kids.tokens) <= count
+        if kids.q_ids is not None:
+            self.q_nodes.append(node)
+            self.q_ids.append(kids.q_ids)
+            self.q_probs.append(kids.q_probs)
+        for tok, lp in zip(kids.tokens, kids.logprobs):
+            i = len(self.tokens)
+            self.score[i] = self.score[node] + lp
+            self.path[i] = self.path[node] + (tok,)
+            self.frontier.append(i)
+            self.tokens.append(tok)
+            self.parents.append(node)
+
+    def tree(self) -> DraftTree:
+        return DraftTree(self.tokens, self.parents, self.q_nodes, self.q_ids, self.q_probs)
 
 
 def children_from_probs(
@@ -159,15 +204,18 @@ class FeatureRows:
         self._n = end
 
 
-def node_mask(paths: list[tuple[int, ...]], context_rows: int, at: int,
-              slot_of: dict[tuple[int, ...], int]) -> torch.Tensor:
+def node_mask(paths: list[tuple[int, ...]], context_rows: int | Sequence[int], at: int,
+              slot_of: dict, trees: Sequence[int] | None = None) -> torch.Tensor:
     """[T, at + T] bool for feeding one tree level at scratch slots [at, at + T): each node sees the
-    first `context_rows` cache slots, its ancestors' slots (`slot_of[path prefix]`) and itself."""
+    first `context_rows` cache slots (one count for all, or one per node), its ancestors' slots
+    (`slot_of[path prefix]`, or `slot_of[(trees[row], path prefix)]` for trees grown together)
+    and itself."""
+    rows = [context_rows] * len(paths) if isinstance(context_rows, int) else context_rows
     mask = torch.zeros(len(paths), at + len(paths), dtype=torch.bool)
-    mask[:, :context_rows] = True
     for row, path in enumerate(paths):
+        mask[row, :rows[row]] = True
         for k in range(1, len(path)):
-            mask[row, slot_of[path[:k]]] = True
+            mask[row, slot_of[path[:k] if trees is None else (trees[row], path[:k])]] = True
         mask[row, at + row] = True
     return mask
 
@@ -186,6 +234,18 @@ class DraftSession(Protocol):
         """Forget the context after its first `num_tokens` tokens (undo a speculative commit)."""
 
     def close(self) -> None: ...
+
+
+class ManyDraftSession(DraftSession, Protocol):
+    """A DraftSession that can also grow trees rooted at several points of its context at once
+    (`grow_trees`: one expansion per level for all of them). Drafters whose level cost barely
+    depends on its width (model drafters; the oracle's cost model) have it; drafting ahead uses it
+    when present (`hasattr(session, "draft_many")`) and drafts one tree at a time otherwise."""
+
+    def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """Tree i rooted at the context's first `roots[i]` tokens (1 <= roots[i] <= len(context)),
+        grown as `draft` would grow it there with `exclude_root=excludes[i]`. The context stays."""
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -3,6 +3,8 @@
 Each session keeps its own KV cache of the committed context. A draft step feeds the tokens
 committed since the last step, then grows the tree level by level: one forward per level over the
 nodes being expanded (tree mask over the scratch slots), so a depth-D tree costs D forwards.
+`draft_many` grows trees rooted at several points of the context in the same D forwards (the
+outcomes of a step, predrafted together: `specmesh.drafters.predraft`).
 Nodes of the last tree that the verifier accepted keep their K/V: commit moves their scratch
 slots into the committed prefix instead of recomputing them.
 """
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, children_from_probs, grow_tree, node_mask
+from specmesh.drafters.base import Children, children_from_probs, grow_trees, node_mask
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, target_probs
 from specmesh.tree import ROOT, DraftTree
@@ -71,32 +73,53 @@ class ModelDraftSession:
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
               exclude_root: Sequence[int] = ()) -> DraftTree:
+        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root])[0]
+
+    def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """Trees rooted at several points of the context, one forward per level for all of them:
+        each node sees the context up to its own tree's root and its own ancestors."""
         cache, model = self.cache, self.model
         self._slot_of = {}
-        # 1. feed the committed tokens not yet in the cache; the last row proposes the root's children
         n = len(self.context)
-        start = cache.length
+        low = min(roots)
+        assert 1 <= low and max(roots) <= n, (roots, n)
+        # 1. feed the context not yet in the cache, from the shallowest root's token on at least:
+        # row r of the logits proposes the children of the root after low + r tokens
+        start = min(cache.length, low - 1)
+        cache.truncate(start)
         logits = model(
             torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
-            logits_rows=slice(-1, None),
-        )  # [1, V]
+            logits_rows=slice(low - 1 - start, None),
+        )  # [n - low + 1, V]
         cache.commit(list(range(start, n)))
-        root_probs = _probs(logits, params)[0]  # [V]
-        slot_of = self._slot_of
+        root_probs = _probs(logits, params)  # [n - low + 1, V]
+        slot_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (tree, path from its root) -> scratch slot
         next_slot = n
 
-        def expand(nodes: list[int], paths: list[tuple[int, ...]], counts: list[int]) -> list[Children]:
-            if nodes == [ROOT]:
-                return [children_from_probs(root_probs, counts[0], params, generator)]
-            # 2. feed the nodes being expanded: each sees the context and its own ancestors
+        def expand(trees: list[int], nodes: list[int], paths: list[tuple[int, ...]],
+                   counts: list[int]) -> list[Children]:
+            # 2. feed the nodes being expanded (the roots' rows are fed already): each sees the
+            # context up to its tree's root and its own ancestors
             nonlocal next_slot
-            at, next_slot = next_slot, next_slot + len(paths)
-            mask = node_mask(paths, n, at, slot_of)  # [T, S]
-            toks = torch.tensor([p[-1] for p in paths])  # [T]
-            pos = torch.tensor([n - 1 + len(p) for p in paths])  # [T] depth-based positions
-            probs = _probs(model(toks, pos, cache, at, mask), params)  # [T, V]
-            for row, path in enumerate(paths):
-                slot_of.setdefault(path, at + row)
-            return [children_from_probs(probs[i], c, params, generator) for i, c in enumerate(counts)]
+            fed = [i for i, node in enumerate(nodes) if node != ROOT]
+            probs = None
+            if fed:
+                at, next_slot = next_slot, next_slot + len(fed)
+                fed_paths = [paths[i] for i in fed]
+                fed_trees = [trees[i] for i in fed]
+                mask = node_mask(fed_paths, [roots[t] for t in fed_trees], at, slot_of, fed_trees)  # [T, S]
+                toks = torch.tensor([p[-1] for p in fed_paths])  # [T]
+                pos = torch.tensor([roots[t] - 1 + len(p) for t, p in zip(fed_trees, fed_paths)])  # [T]
+                probs = _probs(model(toks, pos, cache, at, mask), params)  # [T, V]
+                for row, (t, path) in enumerate(zip(fed_trees, fed_paths)):
+                    slot_of.setdefault((t, path), at + row)
+            row_of = {i: row for row, i in enumerate(fed)}
+            return [children_from_probs(root_probs[roots[t] - low] if node == ROOT else probs[row_of[i]],
+                                        c, params, generator)
+                    for i, (t, node, c) in enumerate(zip(trees, nodes, counts))]
 
-        return grow_tree(expand, budget, depth, exclude_root)
+        trees = grow_trees(expand, [(budget, depth, ex) for ex in excludes])
+        if list(roots) == [n]:  # a plain draft: commit reuses the K/V of the nodes it accepts
+            self._slot_of = {path: slot for (_, path), slot in slot_of.items()}
+        return trees

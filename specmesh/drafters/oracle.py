@@ -3,7 +3,9 @@ beforehand), replacing each proposed token with a wrong one with probability 1 -
 
 This fixes the per-token acceptance rate at alpha so that system efficiency can be compared with
 the theoretical bound of DESIGN.md. An optional `draft_cost_s` sleeps per tree level to model a
-drafter of a given cost (the draft/target cost ratio c). Greedy only in spirit: under sampling it
+drafter of a given cost (the draft/target cost ratio c): once per level whatever the level's
+width, and once per level for trees grown together (`draft_many`), as for a small model drafter
+on an accelerator, where a level is one forward and its cost barely depends on its width. Greedy only in spirit: under sampling it
 proposes with q one-hot on each proposed token, which is exact (lossless) but not informative.
 
 A drafter serving many sessions (the drafter service) holds several references: each session
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, ContextSession, common_prefix, grow_tree
+from specmesh.drafters.base import Children, ContextSession, common_prefix, grow_trees
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -75,19 +77,28 @@ class OracleSession(ContextSession):
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
               exclude_root: Sequence[int] = ()) -> DraftTree:
+        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root])[0]
+
+    def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """Trees rooted at several points of the context, for one `draft_cost_s` per level in all:
+        the cost model of a drafter whose level is one forward, whatever its width."""
         n = len(self.context)
         if self.ref[:n] != self.context and len(self.d.references) > 1:
             self.ref = self.d.pick(self.context)
         ref = self.ref
-        on_track = ref[:n] == self.context
+        on_track = [ref[:r] == self.context[:r] for r in roots]
 
-        def expand(_nodes: list[int], paths: list[tuple[int, ...]], counts: list[int]) -> list[Children]:
+        def expand(trees: list[int], _nodes: list[int], paths: list[tuple[int, ...]],
+                   counts: list[int]) -> list[Children]:
             if self.d.draft_cost_s:
                 time.sleep(self.d.draft_cost_s)
             out = []
-            for prefix, count in zip(paths, counts):
-                pos = n + len(prefix)
-                right = ref[pos] if on_track and pos < len(ref) and tuple(ref[n:pos]) == prefix else None
+            for t, prefix, count in zip(trees, paths, counts):
+                base = roots[t]
+                pos = base + len(prefix)
+                right = (ref[pos] if on_track[t] and pos < len(ref) and tuple(ref[base:pos]) == prefix
+                         else None)
                 kids: list[int] = []
                 for _ in range(count):
                     hit = right is not None and right not in kids and self.rng.random() < self.d.alpha
@@ -97,4 +108,4 @@ class OracleSession(ContextSession):
                 out.append(Children(kids[:1] if q[0] else kids, lp[:1] if q[0] else lp, *q))
             return out
 
-        return grow_tree(expand, budget, depth, exclude_root)
+        return grow_trees(expand, [(budget, depth, ex) for ex in excludes])

@@ -14,8 +14,11 @@ otherwise the session rolls back to n, takes the committed tokens and drafts afr
 Which outcomes, in which order: this session's history of outcomes (how many tokens of the main
 path were accepted, with a prior) ranks them; the likeliest are predrafted, as many as fit before
 the commit is expected (the time from sending a tree to its commit and the time of one predraft
-are measured as the session goes: `paced`), one per `predraft()` call, deepest first (each
-further one only rolls the session back, which every drafter can do). The first always runs.
+are measured as the session goes: `paced`). A drafter that grows trees rooted at several points
+of its context together (`draft_many`: model drafters, the oracle) predrafts all of them in one
+`predraft()` call, in the forwards of one (a level costs one forward whatever its width on an
+accelerator); the others predraft one per call, deepest first (each further one only rolls the
+session back, which every drafter can do). The first call always runs.
 
 Why re-rooting is lossless under sampling: every node's children in P are i.i.d. draws from the
 q it reports, and how many children a node gets is decided before they are drawn (grow_tree);
@@ -45,7 +48,7 @@ from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, depths
 
 PREDRAFT_MAX_BUDGET = 64
-PREDRAFT_MAX_OUTCOMES = 4  # predrafts per tree sent, at most
+PREDRAFT_MAX_OUTCOMES = 8  # predrafts per tree sent, at most
 MAX_DEPTH = 16  # outcome history buckets (deeper outcomes share the last)
 
 
@@ -229,9 +232,11 @@ class DraftAhead:
             self._window_s = _average(self._window_s, time.perf_counter() - self._sent_at)
             self._count_outcome(accepted)
             pred = self._predrafts.get(tuple(accepted))
-            if pred is not None and self._held == len(accepted):
-                # 1. the session holds exactly the accepted path (predrafted last; a feature
-                # drafter held it with predicted features: the verifier's replace them)
+            if pred is not None and self._held >= len(accepted):
+                # 1. the session holds the accepted path (a feature drafter holds it with
+                # predicted features: the verifier's replace them), and maybe more of the main path
+                if self._held > len(accepted):
+                    self.session.rollback(self.position + len(accepted))
                 self.session.commit([bonus], features)
             else:
                 # 2. forget the speculative path, take what was verified
@@ -271,8 +276,9 @@ class DraftAhead:
                 and (self._plan is None or bool(self._plan)))
 
     def predraft(self) -> bool:
-        """One predraft for the tree last sent (one unit of work); False when there was nothing
-        (more) to do. An empty tree is not predrafted: with nothing to accept, the bonus alone decides."""
+        """One unit of predrafting for the tree last sent (one outcome, or every planned outcome at
+        once with `draft_many`); False when there was nothing (more) to do. An empty tree is not
+        predrafted: with nothing to accept, the bonus alone decides."""
         with self._lock:
             if not self.wants_predraft:
                 return False
@@ -284,27 +290,43 @@ class DraftAhead:
                 if time.perf_counter() - self._sent_at + self._unit_s > self._window_s:
                     self._plan = []  # it would likely end after the commit arrives
                     return False
-            k = self._plan.pop(0)
             t = time.perf_counter()
-            path = self._path[:k]
-            if self._held > k or k == 0:
-                self.session.rollback(self.position + k)  # k = 0: re-draft at the committed point
-            elif self._held < k:
-                try:
-                    self.session.commit(path[self._held:])  # a path of the last tree drafted
-                except ValueError:
-                    # a feature drafter keeps predicted features for the last tree it drafted
-                    # only; after a hit on an earlier predraft that is another tree: predraft
-                    # from the committed point alone
-                    self._plan, k, path = [], 0, []
-                    self.session.rollback(self.position)
-            self._held = k
-            exclude = () if k == len(self._path) else self._children_on_path(k)
+            if hasattr(self.session, "draft_many"):
+                ks, self._plan = self._plan, []
+            else:
+                ks = [self._plan.pop(0)]
+            if not self._hold(max(ks)):
+                ks = [0]
             budget, depth = predraft_shape(*self._shape)
-            self._predrafts[tuple(path)] = self.session.draft(budget, depth, self.params, self.generator, exclude)
-            self.predrafts += 1
-            self._unit_s = _average(self._unit_s, time.perf_counter() - t)
+            excludes = [() if k == len(self._path) else self._children_on_path(k) for k in ks]
+            if len(ks) == 1:
+                trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0])]
+            else:  # every planned outcome at once: one expansion per level for all of them
+                trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
+                                                self.params, self.generator, excludes)
+            for k, tree in zip(ks, trees):
+                self._predrafts[tuple(self._path[:k])] = tree
+            self.predrafts += len(ks)
+            self._unit_s = _average(self._unit_s, (time.perf_counter() - t) / len(ks))
             return True
+
+    def _hold(self, k: int) -> bool:
+        """Make the draft session hold the committed context plus the first `k` tokens of the main
+        path (k = 0: re-draft at the committed point). False when it cannot: a feature drafter keeps
+        predicted features for the last tree it drafted only, and after a hit on an earlier
+        predraft that is another tree; the session then holds the committed context alone."""
+        if self._held > k or k == 0:
+            self.session.rollback(self.position + k)
+        elif self._held < k:
+            try:
+                self.session.commit(self._path[self._held:k])
+            except ValueError:
+                self._plan = []
+                self.session.rollback(self.position)
+                self._held = 0
+                return False
+        self._held = k
+        return True
 
     def close(self) -> None:
         with self._lock:
