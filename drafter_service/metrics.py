@@ -33,7 +33,7 @@ class DrafterMetrics:
         self.opened = r.add(Counter(PREFIX + "sessions_opened_total", "Draft sessions opened."))
         self.closed = r.add(Counter(PREFIX + "sessions_closed_total", "Draft sessions closed."))
         self.tree_size = r.add(Histogram(PREFIX + "tree_size", "Nodes per drafted tree.", TREE_BUCKETS))
-        self.draft_time = r.add(Histogram(PREFIX + "draft_seconds", "Time to draft one tree.", DRAFT_BUCKETS_S))
+        self.draft_time = r.add(Histogram(PREFIX + "draft_seconds", "Time to draft one tree (trees drafted together share the time).", DRAFT_BUCKETS_S))
         r.add(Gauge(PREFIX + "sessions", "Sessions held by the service.", sessions))
 
     def render(self) -> str:
@@ -46,18 +46,31 @@ class _MeteredSession:
         self._closed = False
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = ()) -> DraftTree:
+              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
+        return self._metered(lambda: [self.inner.draft(budget, depth, params, generator, exclude_root, branches)])[0]
+
+    @property
+    def draft_many(self):
+        """The drafter's own `draft_many`, metered; an AttributeError where it has none, so that
+        `hasattr(session, "draft_many")` stays true to the drafter."""
+        inner = self.inner.draft_many
+        return lambda *args, **kwargs: self._metered(lambda: inner(*args, **kwargs))
+
+    def _metered(self, draft: Callable[[], list[DraftTree]]) -> list[DraftTree]:
+        """Count the trees of one draft call; trees drafted together share the call's time."""
         t = time.perf_counter()
         try:
-            tree = self.inner.draft(budget, depth, params, generator, exclude_root)
+            trees = draft()
         except Exception:
             self.metrics.errors.inc()
             raise
-        self.metrics.draft_time.observe(time.perf_counter() - t)
-        self.metrics.trees.inc()
-        self.metrics.nodes.inc(len(tree))
-        self.metrics.tree_size.observe(len(tree))
-        return tree
+        each = (time.perf_counter() - t) / max(len(trees), 1)
+        for tree in trees:
+            self.metrics.draft_time.observe(each)
+            self.metrics.trees.inc()
+            self.metrics.nodes.inc(len(tree))
+            self.metrics.tree_size.observe(len(tree))
+        return trees
 
     def commit(self, tokens: list[int], features=None) -> None:
         self.inner.commit(tokens, features)

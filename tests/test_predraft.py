@@ -150,7 +150,7 @@ def test_pick_predrafted() -> None:
     assert pick_predrafted(p, 5, 8, 4, min_depth=2) is None  # one level deep: not worth it
     assert pick_predrafted(p, 5, 8, 4, min_depth=1) == DraftTree([1, 2], [-1, -1])
     assert useful_depth(4, GREEDY) == 2 and useful_depth(5, GREEDY) == 3 and useful_depth(4, SAMPLE) == 1
-    assert predraft_shape(8, 4) == (16, 5) and predraft_shape(64, 16) == (64, 17)
+    assert predraft_shape(8, 4) == (18, 5, 2) and predraft_shape(64, 16) == (64, 17, 2)
 
 
 def test_draft_generator_is_seeded_but_not_the_verifiers_stream() -> None:
@@ -187,7 +187,8 @@ def test_draft_ahead_hit_and_miss_ngram() -> None:
 
     # hit: the main path accepted whole, the bonus is the predraft's first root child
     assert _units(ahead) == min(predraft.PREDRAFT_MAX_OUTCOMES, len(h) + 1) and not ahead.predraft()  # the likeliest outcomes, once
-    p = NgramDrafter().open(ctx + h).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY))
+    b, d, w = predraft_shape(8, 4)
+    p = NgramDrafter().open(ctx + h).draft(b, d, GREEDY, make_generator(GREEDY), (), w)
     bonus = p.tokens[0]
     hit = ahead.commit(0, h, bonus, 8, 4)
     ctx += h + [bonus]
@@ -219,12 +220,12 @@ class _Recording:
     def __init__(self, inner, delay_s: float = 0.0) -> None:
         self.inner, self.delay_s, self.drafted_at = inner, delay_s, []
 
-    def draft(self, budget, depth, params, generator, exclude_root=()):
+    def draft(self, budget, depth, params, generator, exclude_root=(), branches=0):
         import time
 
         time.sleep(self.delay_s)
         self.drafted_at.append((len(self.inner.context), tuple(exclude_root)))
-        return self.inner.draft(budget, depth, params, generator, exclude_root)
+        return self.inner.draft(budget, depth, params, generator, exclude_root, branches)
 
     def commit(self, tokens, features=None):
         self.inner.commit(tokens, features)
@@ -239,13 +240,13 @@ class _Recording:
 class _Counting(ContextSession):
     """Proposes t + 1, t + 2, ... after token t (mod 50): every tree is full, any bonus goes."""
 
-    def draft(self, budget, depth, params, generator, exclude_root=()):
+    def draft(self, budget, depth, params, generator, exclude_root=(), branches=0):
         def expand(_nodes, paths, counts):
             last = [p[-1] if p else self.context[-1] for p in paths]
             return [Children([(t + i) % 50 for i in range(1, c + 1)], [-float(i) for i in range(c)])
                     for t, c in zip(last, counts)]
 
-        return grow_tree(expand, budget, depth, exclude_root)
+        return grow_tree(expand, budget, depth, exclude_root, branches)
 
 
 def test_predrafts_are_the_likeliest_outcomes_deepest_first() -> None:
@@ -315,6 +316,7 @@ def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
         return drafter.open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
 
     ctx = [3, 14, 15, 9, 26, 5]
+    b, d, w = predraft_shape(8, 4)
     ahead = DraftAhead(drafter.open(ctx), len(ctx), GREEDY, pipelined=True, paced=False)
     st = ahead.first(8, 4)
     hits = 0
@@ -328,11 +330,11 @@ def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
         p = None
         if step % 3 == 0:  # accept the main path, bonus = the drafter's own next token (a hit)
             accepted = path
-            p = drafter.open(ctx + accepted).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY))
+            p = drafter.open(ctx + accepted).draft(b, d, GREEDY, make_generator(GREEDY), (), w)
         elif step % 3 == 1:  # accept one token; the bonus is the best one the tree did not propose
             accepted = path[:1]
             below = [st.tree.tokens[c] for c in children_of(st.tree)[main_path(st.tree)[0]]]
-            p = drafter.open(ctx + accepted).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY), below)
+            p = drafter.open(ctx + accepted).draft(b, d, GREEDY, make_generator(GREEDY), below, w)
         if p is not None:
             bonus = p.tokens[0]
             expected = pick_predrafted(p, bonus, 8, 4, useful_depth(4, GREEDY))  # None: too shallow
@@ -361,9 +363,10 @@ def _scripted(seed: int):
 
 
 @pytest.mark.parametrize("shapes", [
-    [(8, 4, ()), (4, 4, (5,)), (16, 3, ()), (1, 1, ())],
-    [(2, 6, ()), (12, 2, (1, 2))],
-    [(0, 3, ()), (6, 3, ())],  # an empty tree beside a full one
+    [(8, 4, (), 0), (4, 4, (5,), 0), (16, 3, (), 0), (1, 1, (), 0)],
+    [(2, 6, (), 0), (12, 2, (1, 2), 0)],
+    [(0, 3, (), 0), (6, 3, (), 0)],  # an empty tree beside a full one
+    [(10, 5, (), 2), (18, 5, (4,), 2), (8, 4, (), 0)],  # predraft shapes beside a plain tree
 ])
 def test_grow_trees_grows_each_tree_as_alone_one_expansion_per_level(shapes) -> None:
     children = _scripted(7)
@@ -374,13 +377,29 @@ def test_grow_trees_grows_each_tree_as_alone_one_expansion_per_level(shapes) -> 
         return [children(t, p, c) for t, p, c in zip(trees, paths, counts)]
 
     grown = grow_trees(together, shapes)
-    for t, (budget, depth, exclude) in enumerate(shapes):
+    for t, (budget, depth, exclude, branches) in enumerate(shapes):
         alone = grow_tree(lambda _n, paths, counts, t=t: [children(t, p, c) for p, c in zip(paths, counts)],
-                          budget, depth, exclude)
+                          budget, depth, exclude, branches)
         assert grown[t] == alone
         assert not set(alone.tokens[i] for i in children_of(alone)[ROOT]) & set(exclude)
     deepest = max((max(depths(g.parents), default=0) for g in grown), default=0)
     assert len(calls) == deepest, "one expand call per level, for all trees"
+
+
+@pytest.mark.parametrize("budget, depth, sub", [(10, 5, (4, 4)), (18, 5, (8, 4)), (7, 3, (2, 2)), (2, 4, (0, 0))])
+def test_branches_give_each_root_child_a_tree_of_its_own(budget, depth, sub) -> None:
+    """With `branches`, each root child gets the tree a fresh draft at it would get, of shape
+    ((budget - branches) // branches, depth - 1): the second candidate's is not the leftovers."""
+    children = _scripted(3)
+    tree = grow_tree(lambda _n, paths, counts: [children(0, p, c) for p, c in zip(paths, counts)], budget, depth, (), 2)
+    root_kids = children_of(tree)[ROOT]
+    assert len(root_kids) == 2
+    for c in root_kids:
+        below = grow_tree(lambda _n, paths, counts, c=c: [children(0, (tree.tokens[c],) + p, n) for p, n in zip(paths, counts)],
+                          *sub)
+        got = subtree(tree, c)
+        assert (got.tokens, got.parents) == (below.tokens, below.parents)
+        assert len(got) == sub[0] and max(depths(got.parents), default=0) == sub[1]
 
 
 def test_model_draft_many_matches_fresh_drafts_in_the_forwards_of_one(tiny_model) -> None:
@@ -496,22 +515,22 @@ class _MarkovSession:
         ids, probs = self.pools.sparse[x]
         return Children(kids, [float(np.log(probs[k])) for k in kids], ids, probs)
 
-    def draft(self, budget, depth, params, generator, exclude_root=()) -> DraftTree:
+    def draft(self, budget, depth, params, generator, exclude_root=(), branches=0) -> DraftTree:
         def expand(_nodes, paths, counts) -> list[Children]:
             return [self.children(p[-1] if p else self.context[-1], c) for p, c in zip(paths, counts)]
 
-        return grow_tree(expand, budget, depth, exclude_root)
+        return grow_tree(expand, budget, depth, exclude_root, branches)
 
 
 class _MarkovManySession(_MarkovSession):
     """The same drafter, predrafting every outcome at once (`draft_many`, `grow_trees`)."""
 
-    def draft_many(self, roots, budget, depth, params, generator, excludes) -> list[DraftTree]:
+    def draft_many(self, roots, budget, depth, params, generator, excludes, branches=0) -> list[DraftTree]:
         def expand(trees, _nodes, paths, counts) -> list[Children]:
             return [self.children(p[-1] if p else self.context[roots[t] - 1], c)
                     for t, p, c in zip(trees, paths, counts)]
 
-        return grow_trees(expand, [(budget, depth, ex) for ex in excludes])
+        return grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes])
 
 
 def _target_rows(context_last: int, tree: DraftTree) -> torch.Tensor:

@@ -114,6 +114,19 @@ def test_metered_drafter_counts_trees_and_sessions():
     assert s[p + "trees_total"] == 1 and s[p + "tree_nodes_total"] == len(tree)
     assert s[p + "sessions_opened_total"] == 1 and s[p + "sessions_closed_total"] == 1
     assert s[p + "draft_seconds_count"] == 1 and s[p + "sessions"] == 1
+    assert not hasattr(session, "draft_many"), "the n-gram drafter drafts one tree at a time"
+
+
+def test_metered_drafter_counts_every_tree_drafted_together():
+    from specmesh.drafters import OracleDrafter
+
+    m = DrafterMetrics(lambda: 1)
+    session = MeteredDrafter(OracleDrafter(list(range(50)), 1.0, 100), m).open(list(range(20)))
+    trees = session.draft_many([20, 18, 17], 4, 4, SamplingParams(), torch.Generator().manual_seed(0), [(), (), ()])
+    assert [t.tokens for t in trees] == [list(range(20, 24)), list(range(18, 22)), list(range(17, 21))]
+    s = parse_prometheus(m.render())
+    p = "specmesh_drafter_"
+    assert s[p + "trees_total"] == 3 and s[p + "tree_nodes_total"] == 12 and s[p + "draft_seconds_count"] == 3
 
 
 def test_verifier_exports_batching_only_when_batched():

@@ -49,14 +49,19 @@ def tree_width(budget: int, depth: int) -> int:
     return max(1, min(MAX_WIDTH, math.ceil(budget / max(depth, 1))))
 
 
-def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[int] = ()) -> DraftTree:
+def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[int] = (),
+              branches: int = 0) -> DraftTree:
     """`exclude_root`: tokens the root's children must not be (a predraft for an outcome in which
     the verifier rejected them: its bonus token cannot be one of them). The root asks `expand` for
     that many more children and drops those tokens. The root's children are then no longer plain
     draws from the root's q, so such a tree is only for re-rooting: under sampling only subtrees
-    under its root's children may be verified (`specmesh.drafters.predraft`), never the tree."""
+    under its root's children may be verified (`specmesh.drafters.predraft`), never the tree.
+
+    `branches` > 0: the root gets that many children, and each of them a subtree planned on its
+    own, of (budget - branches) // branches nodes and depth - 1 levels (a predraft: every
+    candidate for the bonus token gets a whole tree under it, the second likeliest too)."""
     return grow_trees(lambda _trees, nodes, paths, counts: expand(nodes, paths, counts),
-                      [(budget, depth, exclude_root)])[0]
+                      [(budget, depth, exclude_root, branches)])[0]
 
 
 # expand(trees, nodes, paths, counts) -> Children per entry: as ExpandFn, each entry also naming
@@ -64,12 +69,12 @@ def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[
 TreesExpandFn = Callable[[list[int], list[int], list[tuple[int, ...]], list[int]], list[Children]]
 
 
-def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[int]]]) -> list[DraftTree]:
+def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[int], int]]) -> list[DraftTree]:
     """Several trees grown together, one `expand` call per level for all of them: tree i has shape
-    `shapes[i]` = (budget, depth, exclude_root) and grows exactly as `grow_tree` would grow it
-    alone (its shape is planned from its own frontier only), so each is as lossless as a tree
-    drafted on its own. A drafter whose level costs one forward whatever its width (a small model
-    on an accelerator) drafts many trees for the price of the deepest: drafting ahead
+    `shapes[i]` = (budget, depth, exclude_root, branches) and grows exactly as `grow_tree` would
+    grow it alone (its shape is planned from its own frontier only), so each is as lossless as a
+    tree drafted on its own. A drafter whose level costs one forward whatever its width (a small
+    model on an accelerator) drafts many trees for the price of the deepest: drafting ahead
     (`specmesh.drafters.predraft`) predrafts every likely outcome of a step at once this way."""
     growing = [_Growth(*shape) for shape in shapes]
     level = 1
@@ -94,15 +99,20 @@ def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[
 
 
 class _Growth:
-    """One tree of `grow_trees`: at each level it decides how many children each frontier node
-    gets from the frontier's scores alone (the best node gets `width`, the next `width - 1` best
-    one each, within the node budget, keeping one node for every deeper level)."""
+    """One tree of `grow_trees`. Its nodes below the root are planned in groups: one group (the
+    root's) for a plain tree, one per root child with `branches`. At each level a group decides how
+    many children each of its frontier nodes gets from their scores alone (the best node gets
+    `width`, the next `width - 1` best one each, within the group's node budget, keeping one node
+    for every deeper level)."""
 
-    def __init__(self, budget: int, depth: int, exclude_root: Sequence[int]) -> None:
-        self.budget = budget
-        self.depth = min(depth, budget)
+    def __init__(self, budget: int, depth: int, exclude_root: Sequence[int], branches: int = 0) -> None:
         self.exclude = tuple(exclude_root)
-        self.width = tree_width(budget, self.depth)
+        self.branches = min(branches, budget)
+        self.depth = min(depth, budget)
+        if self.branches:
+            sub = (budget - self.branches) // self.branches
+            self.sub_shape = (sub, min(depth - 1, sub), 1)
+            self.depth = 1 + self.sub_shape[1]
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.score: dict[int, float] = {ROOT: 0.0}
@@ -111,20 +121,32 @@ class _Growth:
         self.q_ids: list[list[int]] = []
         self.q_probs: list[list[float]] = []
         self.frontier = [ROOT] if self.depth > 0 else []
+        self.group: dict[int, int] = {ROOT: ROOT}  # node -> the node its group grows under
+        self.groups: dict[int, tuple[int, int, int]] = {}  # group -> (budget, depth, levels above it)
+        self.used: dict[int, int] = {}  # group -> nodes it has
+        if not self.branches:
+            self.groups[ROOT], self.used[ROOT] = (budget, self.depth, 0), 0
 
     def plan(self, level: int) -> tuple[list[int], list[int]]:
         """The nodes to expand at `level` and how many children each gets (none: the tree is done)."""
         if level > self.depth:
             return [], []
-        allowed = self.budget - len(self.tokens) - (self.depth - level)
+        if self.branches and level == 1:
+            return [ROOT], [self.branches]
         nodes, counts = [], []
-        for i, node in enumerate(sorted(self.frontier, key=lambda n: -self.score[n])[:self.width]):
-            c = min(self.width if i == 0 else 1, allowed)
-            if c <= 0:
-                break
-            nodes.append(node)
-            counts.append(c)
-            allowed -= c
+        for g, (budget, depth, above) in self.groups.items():
+            if level - above > depth:
+                continue
+            allowed = budget - self.used[g] - (depth - (level - above))
+            width = tree_width(budget, depth)
+            mine = [n for n in self.frontier if self.group[n] == g]
+            for i, node in enumerate(sorted(mine, key=lambda n: -self.score[n])[:width]):
+                c = min(width if i == 0 else 1, allowed)
+                if c <= 0:
+                    break
+                nodes.append(node)
+                counts.append(c)
+                allowed -= c
         return nodes, counts
 
     def attach(self, node: int, count: int, kids: Children) -> None:
@@ -144,6 +166,11 @@ class _Growth:
             self.frontier.append(i)
             self.tokens.append(tok)
             self.parents.append(node)
+            if self.branches and node == ROOT:  # a group of its own
+                self.group[i], self.groups[i], self.used[i] = i, self.sub_shape, 0
+            else:
+                self.group[i] = self.group[node]
+                self.used[self.group[i]] += 1
 
     def tree(self) -> DraftTree:
         return DraftTree(self.tokens, self.parents, self.q_nodes, self.q_ids, self.q_probs)
@@ -222,8 +249,8 @@ def node_mask(paths: list[tuple[int, ...]], context_rows: int | Sequence[int], a
 
 class DraftSession(Protocol):
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = ()) -> DraftTree:
-        """A tree rooted at the last context token (`grow_tree`; `exclude_root`: see there)."""
+              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
+        """A tree rooted at the last context token (`grow_tree`; `exclude_root`, `branches`: see there)."""
 
     def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the verifier since the last call (accepted path + bonus), or new
@@ -243,7 +270,7 @@ class ManyDraftSession(DraftSession, Protocol):
     when present (`hasattr(session, "draft_many")`) and drafts one tree at a time otherwise."""
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
-                   generator: torch.Generator, excludes: Sequence[Sequence[int]]) -> list[DraftTree]:
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
         """Tree i rooted at the context's first `roots[i]` tokens (1 <= roots[i] <= len(context)),
         grown as `draft` would grow it there with `exclude_root=excludes[i]`. The context stays."""
 

@@ -100,7 +100,7 @@ class FeatureDraftSession:
         self._predicted = {p[len(t):]: f for p, f in self._predicted.items() if p[:len(t)] == t}
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = ()) -> DraftTree:
+              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
         model, cache = self.model, self.cache
         self._predicted = {}
         n = len(self.context)
@@ -138,4 +138,4 @@ class FeatureDraftSession:
                 predicted.setdefault(path, hidden[row])
             return [children_from_probs(probs[i], c, params, generator) for i, c in enumerate(counts)]
 
-        return grow_tree(expand, budget, depth, exclude_root)
+        return grow_tree(expand, budget, depth, exclude_root, branches)

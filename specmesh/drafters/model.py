@@ -72,11 +72,11 @@ class ModelDraftSession:
         self.context.extend(tokens)
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = ()) -> DraftTree:
-        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root])[0]
+              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
+        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches)[0]
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
-                   generator: torch.Generator, excludes: Sequence[Sequence[int]]) -> list[DraftTree]:
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
         """Trees rooted at several points of the context, one forward per level for all of them:
         each node sees the context up to its own tree's root and its own ancestors."""
         cache, model = self.cache, self.model
@@ -119,7 +119,7 @@ class ModelDraftSession:
                                         c, params, generator)
                     for i, (t, node, c) in enumerate(zip(trees, nodes, counts))]
 
-        trees = grow_trees(expand, [(budget, depth, ex) for ex in excludes])
+        trees = grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes])
         if list(roots) == [n]:  # a plain draft: commit reuses the K/V of the nodes it accepts
             self._slot_of = {path: slot for (_, path), slot in slot_of.items()}
         return trees

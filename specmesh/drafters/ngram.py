@@ -68,7 +68,7 @@ class NgramSession(ContextSession):
         self.d = drafter
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = ()) -> DraftTree:
+              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
         conts = find_continuations(self.context, self.d.max_ngram, self.d.min_ngram, depth)
         if not conts:
             return DraftTree.empty()
@@ -87,4 +87,4 @@ class NgramSession(ContextSession):
                 out.append(Children(nxt, [0.0] * len(nxt), *q))
             return out
 
-        return grow_tree(expand, budget, depth, exclude_root)
+        return grow_tree(expand, budget, depth, exclude_root, branches)

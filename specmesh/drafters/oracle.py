@@ -76,11 +76,11 @@ class OracleSession(ContextSession):
                 return t
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = ()) -> DraftTree:
-        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root])[0]
+              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
+        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches)[0]
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
-                   generator: torch.Generator, excludes: Sequence[Sequence[int]]) -> list[DraftTree]:
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
         """Trees rooted at several points of the context, for one `draft_cost_s` per level in all:
         the cost model of a drafter whose level is one forward, whatever its width."""
         n = len(self.context)
@@ -108,4 +108,4 @@ class OracleSession(ContextSession):
                 out.append(Children(kids[:1] if q[0] else kids, lp[:1] if q[0] else lp, *q))
             return out
 
-        return grow_trees(expand, [(budget, depth, ex) for ex in excludes])
+        return grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes])

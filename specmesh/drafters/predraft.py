@@ -4,8 +4,10 @@ After a tree T is sent for step t at context length n, let H be its **main path*
 child from the root down to a leaf). Verification accepts some path of T, then adds a bonus
 token. For each of the likeliest outcomes "the first k tokens of H accepted" (k = |H|: all of
 it), the drafter commits H[:k] speculatively and drafts a tree P_k for position n + k, one level
-deeper than asked and with a larger budget: P_k's root children are candidates for the bonus
-token, and the subtree under each is a tree for step t + 1. For k < |H| the bonus cannot be any
+deeper than asked: P_k's root children are the drafter's two likeliest candidates for the bonus
+token, and under each it grows a whole tree of the asked shape for step t + 1 (`grow_tree`'s
+`branches`: the second candidate, the bonus whenever the drafter's first guess was wrong, gets
+a full tree too, not the leftovers of the first's). For k < |H| the bonus cannot be any
 child that T has at that node (the verifier rejected them all), so P_k's root excludes them.
 When the commit arrives with accepted == H[:k] and a bonus b that is the token of a root child c
 of P_k with children, the answer is `subtree(P_k, c)` trimmed to the requested shape, at once;
@@ -48,6 +50,7 @@ from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, depths
 
 PREDRAFT_MAX_BUDGET = 64
+PREDRAFT_BRANCHES = 2  # bonus candidates with a tree under them, per predraft
 PREDRAFT_MAX_OUTCOMES = 8  # predrafts per tree sent, at most
 MAX_DEPTH = 16  # outcome history buckets (deeper outcomes share the last)
 
@@ -129,9 +132,12 @@ def _with_q(tree: DraftTree, tokens: list[int], parents: list[int], new_index: d
     return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)
 
 
-def predraft_shape(budget: int, depth: int) -> tuple[int, int]:
-    """Shape of a predraft: one level deeper (the bonus token's level) and a larger budget."""
-    return max(budget, min(PREDRAFT_MAX_BUDGET, 2 * budget)), depth + 1
+def predraft_shape(budget: int, depth: int) -> tuple[int, int, int]:
+    """Shape of a predraft, (budget, depth, branches) for `grow_tree`: PREDRAFT_BRANCHES candidates
+    for the bonus token, each with a tree of the asked shape under it (smaller where the budget
+    would pass PREDRAFT_MAX_BUDGET), one level deeper than asked."""
+    sub = min(budget, PREDRAFT_MAX_BUDGET // PREDRAFT_BRANCHES - 1)
+    return PREDRAFT_BRANCHES * (sub + 1), depth + 1, PREDRAFT_BRANCHES
 
 
 def pick_predrafted(predraft: DraftTree, bonus: int, budget: int, depth: int, min_depth: int = 1) -> DraftTree | None:
@@ -297,13 +303,13 @@ class DraftAhead:
                 ks = [self._plan.pop(0)]
             if not self._hold(max(ks)):
                 ks = [0]
-            budget, depth = predraft_shape(*self._shape)
+            budget, depth, branches = predraft_shape(*self._shape)
             excludes = [() if k == len(self._path) else self._children_on_path(k) for k in ks]
             if len(ks) == 1:
-                trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0])]
+                trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0], branches)]
             else:  # every planned outcome at once: one expansion per level for all of them
                 trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
-                                                self.params, self.generator, excludes)
+                                                self.params, self.generator, excludes, branches)
             for k, tree in zip(ks, trees):
                 self._predrafts[tuple(self._path[:k])] = tree
             self.predrafts += len(ks)

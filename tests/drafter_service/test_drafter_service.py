@@ -131,14 +131,15 @@ def ngram(request, tmp_path_factory) -> Service:
     return _service(request, tmp_path_factory, "--drafter", "ngram")
 
 
-def _ngram_fresh(context: list[int], budget: int, depth: int) -> DraftTree:
-    return NgramDrafter().open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY))
+def _ngram_fresh(context: list[int], budget: int, depth: int, exclude=(), branches: int = 0) -> DraftTree:
+    return NgramDrafter().open(list(context)).draft(budget, depth, GREEDY, make_generator(GREEDY), exclude, branches)
 
 
 def _ngram_predraft(context: list[int], tree: DraftTree, budget: int, depth: int) -> tuple[list[int], DraftTree]:
     """In-process: the main path the service predrafts from, and its predraft tree."""
     h = [tree.tokens[i] for i in main_path(tree)]
-    return h, _ngram_fresh(context + h, *predraft_shape(budget, depth))
+    b, d, w = predraft_shape(budget, depth)
+    return h, _ngram_fresh(context + h, b, d, (), w)
 
 
 def _predrafted(context: list[int], tree: DraftTree, accepted: list[int], bonus: int) -> DraftTree | None:
@@ -151,7 +152,8 @@ def _predrafted(context: list[int], tree: DraftTree, accepted: list[int], bonus:
         return None
     node = -1 if k == 0 else path[k - 1]
     below = () if k == len(h) else [tree.tokens[c] for c in children_of(tree)[node]]
-    p = NgramDrafter().open(context + accepted).draft(*predraft_shape(8, 4), GREEDY, make_generator(GREEDY), below)
+    b, d, w = predraft_shape(8, 4)
+    p = _ngram_fresh(context + accepted, b, d, below, w)
     return pick_predrafted(p, bonus, 8, 4, useful_depth(4, GREEDY))
 
 
