@@ -7,6 +7,10 @@ Protocol, as this service implements it:
 - CommitStep{step} must name the step of the tree last sent for the session. It appends
   accepted + [bonus] and answers with the tree for step + 1, rooted at the new position;
   predrafted=true when it came from the predraft (pipelining hit).
+- OpenSession{push_predrafts} (pipelined sessions): each predraft goes out as soon as it is made,
+  DraftResponse{step, ahead{accepted}, position, tree}. A CommitStep{took_predraft} says that the
+  verifier took the tree for step + 1 from one of them: no answer, the session goes on from that
+  tree (an error if the drafter has no such tree).
 - ExtendSession{tokens, keep} keeps the first `keep` committed tokens (0 = all; the verifier
   ended its last turn inside a verified path), appends the tokens (a follow-up turn; the tree
   last sent is dropped unverified) and answers with a fresh tree for step = last step + 1:
@@ -77,22 +81,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             except queue.Empty:
                 if ahead:
                     sid, _ = ahead.popitem(last=False)
-                    failed, more = self._predraft(sid)
-                    if failed is not None:
-                        yield failed
-                    elif more:
+                    out, more = self._predraft(sid)
+                    yield from out
+                    if more:
                         ahead[sid] = None  # its next predraft after the other sessions' first
                     continue
                 req = inbox.get()
             if req is _END:
                 return
             resp, session = self.handle(req)
-            if resp is None:
-                continue
-            yield resp
+            if resp is not None:
+                yield resp
             if session is not None and session.pipelined:
-                ahead.pop(resp.session_id, None)
-                ahead[resp.session_id] = None
+                ahead.pop(req.session_id, None)
+                ahead[req.session_id] = None
 
     def handle(self, req: drafter_pb2.DrafterRequest) -> tuple[drafter_pb2.DraftResponse | None, DraftAhead | None]:
         """Answer one request: (response or None, the session answered for predrafting)."""
@@ -113,7 +115,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_tokens("accepted", c.accepted)
                 self._check_tokens("bonus", [c.bonus])
                 step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth,
-                                      self._features(c.features, len(c.accepted) + 1))
+                                      self._features(c.features, len(c.accepted) + 1), c.took_predraft)
+                if c.took_predraft:
+                    return None, session  # the verifier holds that tree already
             elif kind == "extend":
                 e = req.extend
                 session = self._session(sid)
@@ -140,7 +144,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._check_tokens("context", o.context)
         context = list(o.context)
         features = self._features(o.features, len(context) - 1)
-        session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined)
+        session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
+                             push=o.pipelined and o.push_predrafts)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:
@@ -155,20 +160,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise RequestError(f"session_id: unknown session {sid!r} (never opened, closed or evicted)")
         return session
 
-    def _predraft(self, sid: str) -> tuple[drafter_pb2.DraftResponse | None, bool]:
-        """One predraft for a session: (an error response or None, whether it wants another)."""
+    def _predraft(self, sid: str) -> tuple[list[drafter_pb2.DraftResponse], bool]:
+        """One unit of predrafting for a session: (responses to send: the predrafts made when the
+        session pushes them, or an error; whether it wants another)."""
         session = self.store.get(sid, touch=False)
         if session is None:
-            return None, False
+            return [], False
         try:
-            return None, session.predraft() and session.wants_predraft
+            more = session.predraft() and session.wants_predraft
         except ValueError as exc:  # closed or evicted meanwhile: its next request says so
-            if not session.closed:
-                return self._fail(sid, str(exc)), False
+            return ([] if session.closed else [self._fail(sid, str(exc))]), False
         except Exception as exc:
             log.exception("session %r: predraft failed", sid)
-            return self._fail(sid, f"internal: predraft failed: {type(exc).__name__}: {exc}"), False
-        return None, False
+            return [self._fail(sid, f"internal: predraft failed: {type(exc).__name__}: {exc}")], False
+        out = [drafter_pb2.DraftResponse(session_id=sid, step=p.step, position=p.position, tree=tree_to_pb(p.tree),
+                                         ahead=drafter_pb2.Ahead(accepted=p.accepted))
+               for p in session.take_fresh()] if session.push else []
+        return out, more
 
     def _fail(self, sid: str, error: str) -> drafter_pb2.DraftResponse:
         if sid:

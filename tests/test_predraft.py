@@ -458,6 +458,31 @@ def test_draft_ahead_predrafts_every_outcome_in_one_unit_with_draft_many() -> No
     assert hit.predrafted and ahead.session.context == [0, 1, 2, h[0], bonus]
 
 
+def test_fresh_predrafts_and_a_commit_that_took_one() -> None:
+    """take_fresh hands out each predraft once, as made; commit(took=True) goes on from the tree
+    the verifier picked from it, and refuses an outcome it has no such tree for."""
+    ctx = list(CONTEXT)
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True, paced=False, push=True)
+    st = ahead.first(8, 4)
+    h = [st.tree.tokens[i] for i in main_path(st.tree)]
+    _units(ahead)
+    fresh = ahead.take_fresh()
+    assert ahead.take_fresh() == []
+    assert sorted(len(p.accepted) for p in fresh) == list(range(len(h) + 1))
+    assert all(p.step == 0 and p.accepted == h[:len(p.accepted)] and p.position == len(ctx) + len(p.accepted)
+               for p in fresh)
+    full = next(p for p in fresh if p.accepted == h)
+    bonus = full.tree.tokens[children_of(full.tree)[ROOT][0]]
+    picked = pick_predrafted(full.tree, bonus, 8, 4, useful_depth(4, GREEDY))
+    assert picked is not None
+    with pytest.raises(ValueError, match="^took_predraft:"):
+        ahead.commit(0, h, 10**6, 8, 4, took=True)  # a bonus no predraft proposes: nothing changes
+    st = ahead.commit(0, h, bonus, 8, 4, took=True)
+    assert (st.step, st.position, st.predrafted, st.tree) == (1, len(ctx) + len(h) + 1, True, picked)
+    _units(ahead)
+    assert {p.step for p in ahead.take_fresh()} == {1}
+
+
 # --- Statistical losslessness through predrafted trees ---
 #
 # A Markov toy: the target's distribution after token x is TABLE[x], the drafter's Q_TABLE[x]

@@ -25,15 +25,17 @@ import grpc
 
 from specmesh.convert import FEATURE_DIM_KEY, features_to_pb, sampling_to_pb, tree_from_pb
 from specmesh.drafters.base import common_prefix
-from specmesh.engine import SpecConfig, TargetSession
+from specmesh.drafters.predraft import PREDRAFT_MAX_BUDGET, pick_predrafted, useful_depth
+from specmesh.engine import MAX_DEPTH, SpecConfig, TargetSession
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
-from specmesh.tree import DraftTree
+from specmesh.tree import DraftTree, InvalidTreeError, validate_tree
 from specmesh.v1 import drafter_pb2 as pb
 from specmesh.v1 import drafter_pb2_grpc
 
 _DEAD = object()  # wakes waiters of a broken link
 METADATA_WAIT_S = 5.0  # how long a new link waits for the drafter's initial metadata
+MAX_PUSHED = 64  # pushed predrafts kept per session, at most (a drafter cannot fill memory)
 
 
 class DrafterLink:
@@ -45,6 +47,7 @@ class DrafterLink:
         self._announced = threading.Event()  # the initial metadata arrived, or the link died
         self._send: queue.Queue = queue.Queue()
         self._inbox: dict[str, queue.Queue] = {}
+        self._ahead: dict[str, dict[tuple[int, tuple[int, ...]], pb.DraftResponse]] = {}  # pushed predrafts
         self._lock = threading.Lock()
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes)]
@@ -75,6 +78,11 @@ class DrafterLink:
             self._announced.set()
             for resp in call:
                 with self._lock:
+                    if resp.HasField("ahead"):  # a pushed predraft: kept until its step's commit
+                        pushed = self._ahead.get(resp.session_id)
+                        if pushed is not None and len(pushed) < MAX_PUSHED:
+                            pushed[(resp.step, tuple(resp.ahead.accepted))] = resp
+                        continue
                     box = self._inbox.get(resp.session_id)
                 if box is not None:
                     box.put(resp)
@@ -94,7 +102,20 @@ class DrafterLink:
     def open(self, session_id: str, msg: pb.OpenSession) -> None:
         with self._lock:
             self._inbox[session_id] = queue.Queue()
+            self._ahead[session_id] = {}
         self._send.put(pb.DrafterRequest(session_id=session_id, open=msg))
+
+    def take_pushed(self, session_id: str, step: int, accepted: list[int]) -> pb.DraftResponse | None:
+        """The predraft pushed for this outcome of the tree of `step`, if it came; every predraft
+        pushed for `step` or earlier is dropped."""
+        with self._lock:
+            pushed = self._ahead.get(session_id)
+            if not pushed:
+                return None
+            found = pushed.get((step, tuple(accepted)))
+            for key in [k for k in pushed if k[0] <= step]:
+                del pushed[key]
+            return found
 
     def commit(self, session_id: str, msg: pb.CommitStep) -> None:
         self._send.put(pb.DrafterRequest(session_id=session_id, commit=msg))
@@ -105,6 +126,7 @@ class DrafterLink:
     def close_session(self, session_id: str) -> None:
         with self._lock:
             self._inbox.pop(session_id, None)
+            self._ahead.pop(session_id, None)
         if self.alive:
             self._send.put(pb.DrafterRequest(session_id=session_id, close=pb.CloseSession()))
 
@@ -175,6 +197,7 @@ class RemoteDrafts:
         self.usable = True
         self.timeouts = 0
         self.predraft_hits = 0
+        self._taken: DraftTree | None = None  # the next tree, taken from a pushed predraft
         self._open(list(target.tokens))
 
     def _features(self, first: int, count: int) -> bytes:
@@ -191,7 +214,7 @@ class RemoteDrafts:
         self.resumed = False
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
-                                                  pipelined=self.pipelined,
+                                                  pipelined=self.pipelined, push_predrafts=self.pipelined,
                                                   features=self._features(1, len(context) - 1)))
 
     def resume(self, link: DrafterLink | None, target: TargetSession, params: SamplingParams, spec: SpecConfig,
@@ -214,6 +237,7 @@ class RemoteDrafts:
                                                features=self._features(n, len(tokens) - n)))
         self.context = list(tokens)
         self.step += 1  # the drafter answers with the step after the tree it sent last
+        self._taken = None
         self.deadline_s, self.timeouts, self.predraft_hits = deadline_s, 0, 0
         self.resumed = True
         return True
@@ -221,6 +245,10 @@ class RemoteDrafts:
     def next_tree(self, budget: int) -> DraftTree:
         if not (self.usable and self.link.alive):
             return DraftTree.empty()
+        if self._taken is not None:  # from a pushed predraft: no round trip
+            tree, self._taken = self._taken, None
+            self.predraft_hits += 1
+            return tree
         resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
         if resp is not None and resp.error and self.resumed:
             # the drafter no longer holds the session (say, evicted while idle between turns):
@@ -241,11 +269,29 @@ class RemoteDrafts:
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
                   features=None) -> None:
         if self.usable and self.link.alive:
-            self.link.commit(self.sid, pb.CommitStep(step=self.step, accepted=new_tokens[:-1], bonus=new_tokens[-1],
+            accepted, bonus = new_tokens[:-1], new_tokens[-1]
+            self._taken = self._from_pushed(accepted, bonus) if self.pipelined else None
+            self.link.commit(self.sid, pb.CommitStep(step=self.step, accepted=accepted, bonus=bonus,
                                                      budget=self.spec.budget, depth=self.spec.depth,
-                                                     features=features_to_pb(features) if self.features else b""))
+                                                     features=features_to_pb(features) if self.features else b"",
+                                                     took_predraft=self._taken is not None))
             self.context.extend(new_tokens)
         self.step += 1
+
+    def _from_pushed(self, accepted: list[int], bonus: int) -> DraftTree | None:
+        """The next tree from the predraft pushed for this outcome, picked as the drafter picks
+        it (`pick_predrafted`), or None (none came in time, none fits, or it is malformed)."""
+        resp = self.link.take_pushed(self.sid, self.step, accepted)
+        if resp is None:
+            return None
+        try:
+            predraft = tree_from_pb(resp.tree)
+            validate_tree(predraft, self.target.model.config.vocab_size, PREDRAFT_MAX_BUDGET, MAX_DEPTH + 1,
+                          need_q=not self.params.greedy)
+        except (InvalidTreeError, ValueError):
+            return None
+        depth = self.spec.depth
+        return pick_predrafted(predraft, bonus, self.spec.budget, depth, useful_depth(depth, self.params))
 
     def close(self) -> None:
         self.link.close_session(self.sid)

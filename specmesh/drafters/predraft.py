@@ -31,6 +31,12 @@ draft for context + H[:k] + [b]. Dropping excluded root children changes which c
 lies under them. Trimming (the main path first, so the depth survives, then index order) keeps
 for every node a prefix of its children whose length depends on positions only.
 
+Pushing predrafts: a service may send each predraft as it is made (`take_fresh`), so that the
+verifier itself picks the subtree under the bonus at the commit, with the same `pick_predrafted`,
+and starts the next step without a round trip; its commit then says so (`commit(took=True)`) and
+the drafter derives the very same tree. A predraft is never replaced once made, so both sides
+always pick from the same one.
+
 `DraftAhead` owns one `DraftSession` plus this bookkeeping (step counter, the tree last sent, its
 predrafts). It knows nothing of transport, session ids or eviction; a lock makes each call one
 atomic unit of work, so a service may call it from several threads.
@@ -174,6 +180,17 @@ def draft_generator(params: SamplingParams) -> torch.Generator:
 
 
 @dataclass(frozen=True)
+class Predraft:
+    """A predraft as made: for the outcome "`accepted` accepted" of the tree of `step` (a prefix
+    of its main path), rooted after `position` tokens; its root's children are bonus candidates."""
+
+    step: int
+    accepted: list[int]
+    position: int
+    tree: DraftTree
+
+
+@dataclass(frozen=True)
 class StepTree:
     """A tree to send: for `step`, rooted after the first `position` committed tokens."""
 
@@ -191,14 +208,16 @@ class DraftAhead:
     """One served session: open -> first(); then commit()/extend() -> the next tree; predraft()
     in between when pipelined, until it returns False. Steps count the trees sent: 0, 1, 2, ...
     `paced`: stop predrafting when the next predraft would likely end after the commit arrives
-    (a drafter busy with it would delay a miss); `max_outcomes`: at most this many per tree."""
+    (a drafter busy with it would delay a miss); `max_outcomes`: at most this many per tree;
+    `push`: the service sends predrafts as they are made (`take_fresh`), kept here for it."""
 
     def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
-                 paced: bool = True, max_outcomes: int = PREDRAFT_MAX_OUTCOMES) -> None:
+                 paced: bool = True, max_outcomes: int = PREDRAFT_MAX_OUTCOMES, push: bool = False) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
         self.session = session
         self.params = params
         self.pipelined = pipelined
+        self.push = push  # the service pushes its predrafts (take_fresh); only kept here
         self.paced = paced
         self.max_outcomes = max_outcomes
         self.generator = draft_generator(params)
@@ -211,7 +230,8 @@ class DraftAhead:
         self._tree: DraftTree | None = None
         self._shape = (1, 1)
         self._path: list[int] = []  # H: the main path's tokens of the tree last sent
-        self._predrafts: dict[tuple[int, ...], DraftTree] = {}  # H[:k] -> P_k
+        self._predrafts: dict[tuple[int, ...], DraftTree] = {}  # H[:k] -> P_k (never replaced: it may be out)
+        self._fresh: list[Predraft] = []  # made since the last take_fresh()
         self._plan: list[int] | None = None  # k of the predrafts still to do (None: not planned yet)
         self._held = 0  # tokens of H the session holds beyond `position`
         self._closed = False
@@ -228,16 +248,23 @@ class DraftAhead:
             return self._send(self._draft(budget, depth), budget, depth, False)
 
     def commit(self, step: int, accepted: list[int], bonus: int, budget: int, depth: int,
-               features: torch.Tensor | None = None) -> StepTree:
+               features: torch.Tensor | None = None, took: bool = False) -> StepTree:
         """The verifier's outcome of the tree for `step`; returns the tree for step + 1. `features`:
-        the target's for accepted + [bonus] (feature drafters only)."""
+        the target's for accepted + [bonus] (feature drafters only). `took`: the verifier already
+        took the tree for step + 1 from this outcome's predraft (pushed to it: `take_fresh`); the
+        tree returned is that same one, and a ValueError says that there is none."""
         with self._lock:
             self._check_open()
             if step != self.step:
                 raise ValueError(f"step: expected {self.step} (the tree last sent), got {step}")
+            pred = self._predrafts.get(tuple(accepted))
+            tree = (pick_predrafted(pred, bonus, budget, depth, useful_depth(depth, self.params))
+                    if pred is not None else None)
+            if took and tree is None:
+                raise ValueError(f"took_predraft: no predraft of step {step} has a tree for "
+                                 f"{len(accepted)} accepted tokens and bonus {bonus}")
             self._window_s = _average(self._window_s, time.perf_counter() - self._sent_at)
             self._count_outcome(accepted)
-            pred = self._predrafts.get(tuple(accepted))
             if pred is not None and self._held >= len(accepted):
                 # 1. the session holds the accepted path (a feature drafter holds it with
                 # predicted features: the verifier's replace them), and maybe more of the main path
@@ -251,8 +278,6 @@ class DraftAhead:
                 self.session.commit(list(accepted) + [bonus], features)
             self.position += len(accepted) + 1
             self._held = 0
-            tree = (pick_predrafted(pred, bonus, budget, depth, useful_depth(depth, self.params))
-                    if pred is not None else None)
             if tree is not None:
                 self.hits += 1
                 return self._send(tree, budget, depth, True)
@@ -303,6 +328,8 @@ class DraftAhead:
                 ks = [self._plan.pop(0)]
             if not self._hold(max(ks)):
                 ks = [0]
+                if () in self._predrafts:
+                    return False
             budget, depth, branches = predraft_shape(*self._shape)
             excludes = [() if k == len(self._path) else self._children_on_path(k) for k in ks]
             if len(ks) == 1:
@@ -312,6 +339,7 @@ class DraftAhead:
                                                 self.params, self.generator, excludes, branches)
             for k, tree in zip(ks, trees):
                 self._predrafts[tuple(self._path[:k])] = tree
+                self._fresh.append(Predraft(self.step, self._path[:k], self.position + k, tree))
             self.predrafts += len(ks)
             self._unit_s = _average(self._unit_s, (time.perf_counter() - t) / len(ks))
             return True
@@ -334,11 +362,18 @@ class DraftAhead:
         self._held = k
         return True
 
+    def take_fresh(self) -> list[Predraft]:
+        """The predrafts made since the last call (for a service that pushes them as they come)."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, []
+            return fresh
+
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._predrafts = {}
+                self._fresh = []
                 self._tree = None
                 self.session.close()
 
@@ -387,6 +422,7 @@ class DraftAhead:
         self._shape = (budget, depth)
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
+        self._fresh = []
         self._plan = None
         self._sent_at = time.perf_counter()
         return StepTree(self.step, self.position, tree, predrafted)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xdb\x01\n\x0e\x44rafterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x04open\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.OpenSessionH\x00\x12,\n\x06\x65xtend\x18\x03 \x01(\x0b\x32\x1a.specmesh.v1.ExtendSessionH\x00\x12)\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.CommitStepH\x00\x12*\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x19.specmesh.v1.CloseSessionH\x00\x42\x06\n\x04kind\"\x91\x01\n\x0bOpenSession\x12\x0f\n\x07\x63ontext\x18\x01 \x03(\x05\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\"^\n\rExtendSession\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x0c\n\x04keep\x18\x04 \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\"l\n\nCommitStep\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\"\x0e\n\x0c\x43loseSession\"\x8c\x01\n\rDraftResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\x04\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x12\n\npredrafted\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t2O\n\x07\x44rafter\x12\x44\n\x05\x44raft\x12\x1b.specmesh.v1.DrafterRequest\x1a\x1a.specmesh.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xdb\x01\n\x0e\x44rafterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x04open\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.OpenSessionH\x00\x12,\n\x06\x65xtend\x18\x03 \x01(\x0b\x32\x1a.specmesh.v1.ExtendSessionH\x00\x12)\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.CommitStepH\x00\x12*\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x19.specmesh.v1.CloseSessionH\x00\x42\x06\n\x04kind\"\xa9\x01\n\x0bOpenSession\x12\x0f\n\x07\x63ontext\x18\x01 \x03(\x05\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x16\n\x0epush_predrafts\x18\x07 \x01(\x08\"^\n\rExtendSession\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x0c\n\x04keep\x18\x04 \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\"\x83\x01\n\nCommitStep\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x15\n\rtook_predraft\x18\x07 \x01(\x08\"\x0e\n\x0c\x43loseSession\"\xaf\x01\n\rDraftResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\x04\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x12\n\npredrafted\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12!\n\x05\x61head\x18\x07 \x01(\x0b\x32\x12.specmesh.v1.Ahead\"\x19\n\x05\x41head\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x32O\n\x07\x44rafter\x12\x44\n\x05\x44raft\x12\x1b.specmesh.v1.DrafterRequest\x1a\x1a.specmesh.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERREQUEST']._serialized_start=69
   _globals['_DRAFTERREQUEST']._serialized_end=288
   _globals['_OPENSESSION']._serialized_start=291
-  _globals['_OPENSESSION']._serialized_end=436
-  _globals['_EXTENDSESSION']._serialized_start=438
-  _globals['_EXTENDSESSION']._serialized_end=532
-  _globals['_COMMITSTEP']._serialized_start=534
-  _globals['_COMMITSTEP']._serialized_end=642
-  _globals['_CLOSESESSION']._serialized_start=644
-  _globals['_CLOSESESSION']._serialized_end=658
-  _globals['_DRAFTRESPONSE']._serialized_start=661
-  _globals['_DRAFTRESPONSE']._serialized_end=801
-  _globals['_DRAFTER']._serialized_start=803
-  _globals['_DRAFTER']._serialized_end=882
+  _globals['_OPENSESSION']._serialized_end=460
+  _globals['_EXTENDSESSION']._serialized_start=462
+  _globals['_EXTENDSESSION']._serialized_end=556
+  _globals['_COMMITSTEP']._serialized_start=559
+  _globals['_COMMITSTEP']._serialized_end=690
+  _globals['_CLOSESESSION']._serialized_start=692
+  _globals['_CLOSESESSION']._serialized_end=706
+  _globals['_DRAFTRESPONSE']._serialized_start=709
+  _globals['_DRAFTRESPONSE']._serialized_end=884
+  _globals['_AHEAD']._serialized_start=886
+  _globals['_AHEAD']._serialized_end=911
+  _globals['_DRAFTER']._serialized_start=913
+  _globals['_DRAFTER']._serialized_end=992
 # @@protoc_insertion_point(module_scope)

@@ -22,20 +22,22 @@ class DrafterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., extend: _Optional[_Union[ExtendSession, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features")
+    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_PREDRAFTS_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     budget: int
     depth: int
     pipelined: bool
     features: bytes
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ...) -> None: ...
+    push_predrafts: bool
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ...) -> None: ...
 
 class ExtendSession(_message.Message):
     __slots__ = ("tokens", "budget", "depth", "keep", "features")
@@ -52,37 +54,47 @@ class ExtendSession(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class CommitStep(_message.Message):
-    __slots__ = ("step", "accepted", "bonus", "budget", "depth", "features")
+    __slots__ = ("step", "accepted", "bonus", "budget", "depth", "features", "took_predraft")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TOOK_PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     step: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     budget: int
     depth: int
     features: bytes
-    def __init__(self, step: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
+    took_predraft: bool
+    def __init__(self, step: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., features: _Optional[bytes] = ..., took_predraft: _Optional[bool] = ...) -> None: ...
 
 class CloseSession(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("session_id", "step", "position", "tree", "predrafted", "error")
+    __slots__ = ("session_id", "step", "position", "tree", "predrafted", "error", "ahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     position: int
     tree: _common_pb2.DraftTree
     predrafted: bool
     error: str
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    ahead: Ahead
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ..., error: _Optional[str] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ...) -> None: ...
+
+class Ahead(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ...) -> None: ...

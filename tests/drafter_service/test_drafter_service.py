@@ -442,6 +442,57 @@ def test_oracle_predraft_hit_rate(oracle, temperature: float) -> None:
     s.close()
 
 
+def test_pushed_predrafts_let_the_verifier_take_the_next_tree(oracle) -> None:
+    """push_predrafts: predrafts come as they are made; a commit that took the next tree from one
+    gets no answer, and the session goes on from that very tree (its next predrafts are rooted
+    after it); a took_predraft the drafter cannot match is an error for that session only."""
+    svc, refs = oracle
+    ref, prompt = refs[1], 30
+    s = svc.stream()
+    s.send("p", open=drafter_pb2.OpenSession(context=ref[:prompt], budget=4, depth=4, pipelined=True,
+                                              push_predrafts=True))
+    first = s.recv()
+    assert first.error == "" and not first.HasField("ahead") and first.step == 0
+    tree, position, taken = tree_from_pb(first.tree), first.position, 0
+    for step in range(6):
+        accepted, bonus = _verify_against(ref, position, tree)
+        pushed = {}
+        while tuple(accepted) not in pushed:  # the predrafts of this step, as they come
+            r = s.recv()
+            assert r.session_id == "p" and r.error == "" and r.HasField("ahead") and r.step <= step
+            if r.step < step:
+                continue  # the rest of the last step's predrafts
+            assert r.position == position + len(r.ahead.accepted)
+            pushed[tuple(r.ahead.accepted)] = tree_from_pb(r.tree)
+        nxt = pick_predrafted(pushed[tuple(accepted)], bonus, 4, 4, useful_depth(4, GREEDY))
+        assert nxt is not None, "alpha 1: the predraft's first bonus candidate is the reference's"
+        s.send("p", commit=drafter_pb2.CommitStep(step=step, accepted=accepted, bonus=bonus, budget=4, depth=4,
+                                                  took_predraft=True))
+        tree, position = nxt, position + len(accepted) + 1
+        assert [tree.tokens[i] for i in main_path(tree)] == ref[position:position + 4]
+        taken += 1
+    # the drafter went on from the trees taken: its next predrafts are for step 6, after them
+    r = s.recv()
+    while r.step < 6:
+        r = s.recv()
+    assert r.HasField("ahead") and r.step == 6 and r.position == position + len(r.ahead.accepted)
+    # a took_predraft for an outcome no predraft has (a bonus off the reference): an error for
+    # that session; another session on the stream goes on
+    s.open("q", ref[:prompt], budget=4, depth=4, pipelined=False)
+    s.send("p", commit=drafter_pb2.CommitStep(step=6, accepted=[], bonus=(ref[position] + 1) % VOCAB,
+                                              budget=4, depth=4, took_predraft=True))
+    replies = {}
+    while "q" not in replies or "p" not in replies:
+        r = s.recv()
+        if not r.HasField("ahead"):
+            replies[r.session_id] = r
+    assert replies["p"].error.startswith("took_predraft:") and replies["q"].error == ""
+    r = s.ask("q", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=ref[prompt], budget=4, depth=4))
+    assert r.error == "" and r.step == 1 and r.position == prompt + 1
+    assert taken == 6
+    s.close()
+
+
 def test_oracle_checks_the_vocabulary(oracle) -> None:
     svc, refs = oracle
     s = svc.stream()

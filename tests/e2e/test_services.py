@@ -252,22 +252,37 @@ def test_bad_request_is_invalid_argument(local, verifier, field, req):
 
 
 class BadDrafter(drafter_pb2_grpc.DrafterServicer):
-    """A malicious drafter speaking the protocol: garbage trees, wrong steps, slow answers."""
+    """A malicious drafter speaking the protocol: garbage trees, wrong steps, slow answers; with
+    `reference` (the prompt and the target's continuation) it also pushes predrafts the verifier
+    will take (the right bonus token at the root, garbage below it) and malformed ones."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, reference: list[int] | None = None) -> None:
         self.mode = mode
+        self.reference = reference
 
     def Draft(self, request_iterator, context):
         import random
 
         r = random.Random(0)
-        step_of: dict[str, int] = {}
+        position: dict[str, int] = {}
         for req in request_iterator:
             kind = req.WhichOneof("kind")
             if kind == "close":
                 continue
             step = 0 if kind == "open" else req.commit.step + 1
-            step_of[req.session_id] = step
+            if kind == "open":
+                position[req.session_id] = len(req.open.context)
+            elif kind == "commit":
+                position[req.session_id] += len(req.commit.accepted) + 1
+            if self.mode == "push":
+                # for the outcome "nothing accepted" of this step's (garbage) tree: at odd steps the
+                # right bonus token, then a wrong chain; at even steps a malformed predraft
+                at = position[req.session_id]
+                tokens = [self.reference[at]] + [(t + 1) % 49152 for t in self.reference[at + 1:at + 6]]
+                parents = list(range(-1, len(tokens) - 1)) if step % 2 else [1, 0] + list(range(1, len(tokens) - 1))
+                yield drafter_pb2.DraftResponse(session_id=req.session_id, step=step, position=at,
+                                                tree=common_pb2.DraftTree(tokens=tokens, parents=parents),
+                                                ahead=drafter_pb2.Ahead(accepted=[]))
             n = 70 if self.mode == "huge" else 12
             tree = common_pb2.DraftTree(tokens=[r.randrange(49152) for _ in range(n)],
                                         parents=[r.randrange(-1, i) if i else -1 for i in range(n)])
@@ -284,19 +299,21 @@ class BadDrafter(drafter_pb2_grpc.DrafterServicer):
             yield drafter_pb2.DraftResponse(session_id=req.session_id, step=step, tree=tree)
 
 
-@pytest.mark.parametrize("mode", ["random", "huge", "out-of-vocab", "cycle", "wrong-step", "slow", "bad-q"])
+@pytest.mark.parametrize("mode", ["random", "huge", "out-of-vocab", "cycle", "wrong-step", "slow", "bad-q", "push"])
 def test_malicious_drafter_never_changes_output(local, verifier, mode):
+    ids, expected = local[2][1]
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(BadDrafter(mode), server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(BadDrafter(mode, ids + expected), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        ids, expected = local[2][1]
         deadline = verifier_pb2.SpeculationOptions(draft_deadline_s=0.2)
         out, complete = run(verifier.address, ids, drafter=f"127.0.0.1:{port}", speculation=deadline)
         assert out == expected
         s = complete.speculation
-        assert s.rejected_trees + s.drafter_timeouts > 0 or mode == "random"
+        assert s.rejected_trees + s.drafter_timeouts > 0 or mode in ("random", "push")
+        if mode == "push":  # the verifier took the pushed garbage, verified it, and rejected it
+            assert s.predraft_hits > 0 and s.accepted_tokens < s.drafted_tokens
         sampled, _ = run(verifier.address, ids, drafter=f"127.0.0.1:{port}", speculation=deadline, ignore_eos=True,
                          sampling=common_pb2.SamplingParams(temperature=0.7, seed=3))
         assert len(sampled) == N  # sampling without a valid q: trees rejected, generation goes on
