@@ -5,8 +5,9 @@ This fixes the per-token acceptance rate at alpha so that system efficiency can 
 the theoretical bound of DESIGN.md. An optional `draft_cost_s` sleeps per tree level to model a
 drafter of a given cost (the draft/target cost ratio c): once per level whatever the level's
 width, and once per level for trees grown together (`draft_many`), as for a small model drafter
-on an accelerator, where a level is one forward and its cost barely depends on its width. Greedy only in spirit: under sampling it
-proposes with q one-hot on each proposed token, which is exact (lossless) but not informative.
+on an accelerator, where a level is one forward and its cost barely depends on its width.
+Greedy only in spirit: under sampling it proposes with q one-hot on each proposed token, which is
+exact (lossless) but not informative.
 
 A drafter serving many sessions (the drafter service) holds several references: each session
 replays the one sharing the longest prefix with its context, re-chosen when the context leaves it.
