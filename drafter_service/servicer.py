@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -77,7 +78,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         ahead: OrderedDict[str, None] = OrderedDict()  # sessions to predraft, oldest answer first
         while True:
             try:
-                req = inbox.get_nowait()
+                item = inbox.get_nowait()
             except queue.Empty:
                 if ahead:
                     sid, _ = ahead.popitem(last=False)
@@ -86,18 +87,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     if more:
                         ahead[sid] = None  # its next predraft after the other sessions' first
                     continue
-                req = inbox.get()
-            if req is _END:
+                item = inbox.get()
+            if item is _END:
                 return
-            resp, session = self.handle(req)
+            req, arrived = item
+            resp, session = self.handle(req, arrived)
             if resp is not None:
                 yield resp
             if session is not None and session.pipelined:
                 ahead.pop(req.session_id, None)
                 ahead[req.session_id] = None
 
-    def handle(self, req: drafter_pb2.DrafterRequest) -> tuple[drafter_pb2.DraftResponse | None, DraftAhead | None]:
-        """Answer one request: (response or None, the session answered for predrafting)."""
+    def handle(self, req: drafter_pb2.DrafterRequest,
+               arrived: float | None = None) -> tuple[drafter_pb2.DraftResponse | None, DraftAhead | None]:
+        """Answer one request that reached the service at `arrived` (perf_counter; None: now):
+        (response or None, the session answered for predrafting)."""
         sid = req.session_id
         kind = req.WhichOneof("kind")
         try:
@@ -115,7 +119,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_tokens("accepted", c.accepted)
                 self._check_tokens("bonus", [c.bonus])
                 step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth,
-                                      self._features(c.features, len(c.accepted) + 1), c.took_predraft)
+                                      self._features(c.features, len(c.accepted) + 1), c.took_predraft, arrived)
                 if c.took_predraft:
                     return None, session  # the verifier holds that tree already
             elif kind == "extend":
@@ -208,10 +212,12 @@ def _response(sid: str, st: StepTree) -> drafter_pb2.DraftResponse:
 
 
 def _pump(requests: Iterator[drafter_pb2.DrafterRequest], inbox: queue.Queue) -> None:
-    """Move requests into the inbox as they arrive; _END when the stream ends or breaks."""
+    """Move requests into the inbox as they arrive, with the time they did (pacing measures from
+    it: a request that waits for a predraft in progress arrived before it is handled); _END when
+    the stream ends or breaks."""
     try:
         for req in requests:
-            inbox.put(req)
+            inbox.put((req, time.perf_counter()))
     except grpc.RpcError as exc:  # cancelled or broken by the client: the stream just ends
         log.debug("request stream ended: %s", exc)
     finally:

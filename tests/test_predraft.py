@@ -281,6 +281,26 @@ def test_paced_predrafts_stop_when_the_commit_is_due() -> None:
     assert not ahead.predraft() and not ahead.wants_predraft
 
 
+def test_paced_predrafts_measure_the_window_to_the_commits_arrival() -> None:
+    """A commit that waited for a predraft in progress arrived sooner than it is handled: the
+    window to the next commit is measured to its arrival, so the plan does not grow with the
+    wait (a slow drafter would otherwise plan ever more outcomes and delay every miss)."""
+    import time
+
+    rec = _Recording(_Counting(list(range(14))), delay_s=0.1)
+    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True)
+    st = ahead.first(4, 4)
+    for step in range(3):
+        arrived = time.perf_counter() + 0.01  # the verifier commits 10 ms after the tree is sent
+        while ahead.predraft():  # the drafter busy meanwhile: the commit waits in the queue
+            pass
+        h = [st.tree.tokens[i] for i in main_path(st.tree)]
+        st = ahead.commit(step, h, 99, 4, 4, arrived_at=arrived)
+    rec.drafted_at.clear()
+    _units(ahead)
+    assert len(rec.drafted_at) == 1, "10 ms between a tree and its commit: one 100 ms predraft at most"
+
+
 def test_draft_ahead_errors() -> None:
     ahead = DraftAhead(NgramDrafter().open(list(CONTEXT)), len(CONTEXT), GREEDY, pipelined=False)
     ahead.first(8, 4)

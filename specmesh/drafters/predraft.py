@@ -248,11 +248,14 @@ class DraftAhead:
             return self._send(self._draft(budget, depth), budget, depth, False)
 
     def commit(self, step: int, accepted: list[int], bonus: int, budget: int, depth: int,
-               features: torch.Tensor | None = None, took: bool = False) -> StepTree:
+               features: torch.Tensor | None = None, took: bool = False,
+               arrived_at: float | None = None) -> StepTree:
         """The verifier's outcome of the tree for `step`; returns the tree for step + 1. `features`:
         the target's for accepted + [bonus] (feature drafters only). `took`: the verifier already
         took the tree for step + 1 from this outcome's predraft (pushed to it: `take_fresh`); the
-        tree returned is that same one, and a ValueError says that there is none."""
+        tree returned is that same one, and a ValueError says that there is none. `arrived_at`:
+        when the commit reached the service (`time.perf_counter()`), for pacing: a commit that
+        waited for a predraft in progress came that much sooner than it is handled."""
         with self._lock:
             self._check_open()
             if step != self.step:
@@ -263,7 +266,8 @@ class DraftAhead:
             if took and tree is None:
                 raise ValueError(f"took_predraft: no predraft of step {step} has a tree for "
                                  f"{len(accepted)} accepted tokens and bonus {bonus}")
-            self._window_s = _average(self._window_s, time.perf_counter() - self._sent_at)
+            arrived = time.perf_counter() if arrived_at is None else arrived_at
+            self._window_s = _average(self._window_s, arrived - self._sent_at)
             self._count_outcome(accepted)
             if pred is not None and self._held >= len(accepted):
                 # 1. the session holds the accepted path (a feature drafter holds it with
