@@ -476,6 +476,13 @@ def test_draft_ahead_predrafts_every_outcome_in_one_unit_with_draft_many() -> No
     bonus = next(pred.tokens[c] for c in children_of(pred)[ROOT] if children_of(pred)[c])
     hit = ahead.commit(0, h[:1], bonus, 4, 4)
     assert hit.predrafted and ahead.session.context == [0, 1, 2, h[0], bonus]
+    # paced: commits that come at once do not cut the batch, one unit of work whatever it holds
+    paced = DraftAhead(_MarkovManySession([0, 1, 2], pools), 3, GREEDY, pipelined=True)
+    st = paced.first(4, 4)
+    for step in range(3):
+        assert _units(paced) == 1 and len(paced.take_fresh()) == len(main_path(st.tree)) + 1
+        h = [st.tree.tokens[i] for i in main_path(st.tree)]
+        st = paced.commit(step, h, 0, 4, 4)
 
 
 def test_fresh_predrafts_and_a_commit_that_took_one() -> None:

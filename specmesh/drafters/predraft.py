@@ -239,7 +239,7 @@ class DraftAhead:
         self._full, self._partial = 1.0, [0.6 * 0.5 ** k for k in range(MAX_DEPTH + 1)]
         self._sent_at = 0.0
         self._window_s: float | None = None  # sending a tree -> its commit (moving average)
-        self._unit_s: float | None = None  # one predraft (moving average)
+        self._unit_s: float | None = None  # one unit of predrafting (moving average)
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -306,6 +306,11 @@ class DraftAhead:
             return self._send(self._draft(budget, depth), budget, depth, False)
 
     @property
+    def _batched(self) -> bool:
+        """The draft session grows trees at several roots at once (`draft_many`)."""
+        return hasattr(self.session, "draft_many")
+
+    @property
     def wants_predraft(self) -> bool:
         return (self.pipelined and not self._closed and self._tree is not None
                 and (self._plan is None or bool(self._plan)))
@@ -326,7 +331,7 @@ class DraftAhead:
                     self._plan = []  # it would likely end after the commit arrives
                     return False
             t = time.perf_counter()
-            if hasattr(self.session, "draft_many"):
+            if self._batched:
                 ks, self._plan = self._plan, []
             else:
                 ks = [self._plan.pop(0)]
@@ -345,7 +350,7 @@ class DraftAhead:
                 self._predrafts[tuple(self._path[:k])] = tree
                 self._fresh.append(Predraft(self.step, self._path[:k], self.position + k, tree))
             self.predrafts += len(ks)
-            self._unit_s = _average(self._unit_s, (time.perf_counter() - t) / len(ks))
+            self._unit_s = _average(self._unit_s, time.perf_counter() - t)
             return True
 
     def _hold(self, k: int) -> bool:
@@ -398,14 +403,17 @@ class DraftAhead:
                 self._partial[min(k, MAX_DEPTH)] += 1.0
 
     def _make_plan(self) -> list[int]:
-        """The likeliest outcomes worth a predraft (as many as are expected to fit), deepest first."""
+        """The likeliest outcomes worth a predraft, deepest first: as many as are expected to fit
+        one after the other, or up to `max_outcomes` for a drafter that drafts them all at once
+        (one unit of work, whose cost barely depends on how many outcomes it holds on an
+        accelerator; the first unit always runs)."""
         n = len(self._path)
         if n == 0:
             return []
         odds = {k: self._partial[min(k, MAX_DEPTH)] for k in range(n)}
         odds[n] = self._full
         fits = self.max_outcomes
-        if self.paced and self._window_s is not None and self._unit_s:
+        if self.paced and self._window_s is not None and self._unit_s and not self._batched:
             fits = min(fits, max(1, int((self._window_s - (time.perf_counter() - self._sent_at)) / self._unit_s)))
         likeliest = sorted(odds, key=lambda k: -odds[k])[:fits]
         return sorted(likeliest, reverse=True)
