@@ -25,7 +25,7 @@ import grpc
 
 from specmesh.convert import FEATURE_DIM_KEY, features_to_pb, sampling_to_pb, tree_from_pb
 from specmesh.drafters.base import common_prefix
-from specmesh.drafters.predraft import PREDRAFT_MAX_BUDGET, pick_predrafted, useful_depth
+from specmesh.drafters.predraft import PREDRAFT_MAX_BUDGET, next_tree_from
 from specmesh.engine import MAX_DEPTH, SpecConfig, TargetSession
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
@@ -280,7 +280,7 @@ class RemoteDrafts:
 
     def _from_pushed(self, accepted: list[int], bonus: int) -> DraftTree | None:
         """The next tree from the predraft pushed for this outcome, picked as the drafter picks
-        it (`pick_predrafted`), or None (none came in time, none fits, or it is malformed)."""
+        it (`next_tree_from`), or None (none came in time, none fits, or it is malformed)."""
         resp = self.link.take_pushed(self.sid, self.step, accepted)
         if resp is None:
             return None
@@ -290,8 +290,7 @@ class RemoteDrafts:
                           need_q=not self.params.greedy)
         except (InvalidTreeError, ValueError):
             return None
-        depth = self.spec.depth
-        return pick_predrafted(predraft, bonus, self.spec.budget, depth, useful_depth(depth, self.params))
+        return next_tree_from(predraft, bonus, self.spec.budget, self.spec.depth, self.params)
 
     def close(self) -> None:
         self.link.close_session(self.sid)

@@ -32,7 +32,7 @@ lies under them. Trimming (the main path first, so the depth survives, then inde
 for every node a prefix of its children whose length depends on positions only.
 
 Pushing predrafts: a service may send each predraft as it is made (`take_fresh`), so that the
-verifier itself picks the subtree under the bonus at the commit, with the same `pick_predrafted`,
+verifier itself picks the subtree under the bonus at the commit, with the same `next_tree_from`,
 and starts the next step without a round trip; its commit then says so (`commit(took=True)`) and
 the drafter derives the very same tree. A predraft is never replaced once made, so both sides
 always pick from the same one.
@@ -168,6 +168,12 @@ def useful_depth(depth: int, params: SamplingParams) -> int:
     return (depth + 1) // 2 if params.greedy else 1
 
 
+def next_tree_from(predraft: DraftTree, bonus: int, budget: int, depth: int, params: SamplingParams) -> DraftTree | None:
+    """The tree for the next step that `predraft` gives once `bonus` is known, or None: the one
+    rule the drafter and a verifier taking a pushed predraft both apply, so they pick the same tree."""
+    return pick_predrafted(predraft, bonus, budget, depth, useful_depth(depth, params))
+
+
 def draft_generator(params: SamplingParams) -> torch.Generator:
     """The drafter's generator for a session. A request seed is mixed first: the verifier seeds its
     own generator with the same seed, and a drafter drawing the very same random stream would
@@ -261,8 +267,7 @@ class DraftAhead:
             if step != self.step:
                 raise ValueError(f"step: expected {self.step} (the tree last sent), got {step}")
             pred = self._predrafts.get(tuple(accepted))
-            tree = (pick_predrafted(pred, bonus, budget, depth, useful_depth(depth, self.params))
-                    if pred is not None else None)
+            tree = next_tree_from(pred, bonus, budget, depth, self.params) if pred is not None else None
             if took and tree is None:
                 raise ValueError(f"took_predraft: no predraft of step {step} has a tree for "
                                  f"{len(accepted)} accepted tokens and bonus {bonus}")
