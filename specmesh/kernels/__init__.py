@@ -1,18 +1,22 @@
-"""Optional native kernels for the CPU runtime, built on first use; torch's own ops otherwise.
+"""Optional native kernels for the CPU runtime, built on first use, dispatched by measurement.
 
 One kernel today, `small_gemm.cpp`: fp32 `y = x @ w.T` for x with few rows (a verification tree,
-a decode step). Measured on this project's 2-core AMD EPYC (AVX2, no AVX-512), MKL's sgemm
-takes 1.7-2.2x as long for 2-5 rows as for one row, so the target's forward over a 5-node tree
-cost about 2 decode steps (`specmesh bench engine` reports it as `verify_cost`); with this kernel
-a 5-node chain costs ~1.15 steps. It also makes each row's result independent of the other rows
-in the call (batch invariance), which lets specmesh.batching verify sessions together.
+a decode step). It reads each weight block once for all rows, so a few rows cost about one, and it
+computes every row the same way whatever the other rows (batch invariance), which lets
+specmesh.batching verify sessions together with each session's result unchanged to the bit.
+Whether it beats torch's GEMM depends on the CPU and the thread count, so it is not assumed:
+`tune(model)` (called by the loader once the weights are in) times both per weight shape on this
+machine and caches the choice (`specmesh.kernels.dispatch`); `linear` then looks the shape up.
+Shapes never tuned (a model built by hand, TP shards) use the kernel.
 
 The source is compiled with the system C++ compiler against the installed torch the first time a
 model is loaded (~30 s on 2 cores), into `$SPECMESH_CACHE/kernels/` under a key of the source,
 the torch version and the flags; later processes load the cached library. `SPECMESH_KERNEL_DIR`
 moves that directory (the CPU image builds the kernel into itself: `python -m specmesh.kernels`).
-Without a compiler, on a CPU without AVX2/FMA, or with `SPECMESH_KERNELS=0`, `linear` is
-`torch.nn.functional.linear` and a one-line warning says why. Nothing here knows about models.
+`SPECMESH_KERNELS`: `auto` (default) measured; `1` the kernel for every shape, never timed (exact
+batch invariance whatever the speed); `0` torch only. Without a compiler or on a CPU without
+AVX2/FMA, `linear` is `torch.nn.functional.linear` and a one-line warning says why. Nothing here
+knows about models beyond their `nn.Linear` weights.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from specmesh.kernels import dispatch as _dispatch
 
 SMALL_M_MAX = 17  # a 16-node tree + the pending token; at 17 rows still faster than MKL on every SmolLM2 shape
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
@@ -35,9 +42,14 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC"
 
 
 class _State:
+    """Process-wide, like torch's own backend settings: one dispatch table per process."""
     op = None  # torch.ops.specmesh.small_linear once loaded
     tried = False
     reason = ""  # why the kernel is not in use
+    mode = "auto"  # SPECMESH_KERNELS: auto | 1 (forced) | 0 (off)
+    torch_shapes: frozenset = frozenset()  # (N, K) whose products go to torch's GEMM
+    entries: dict = {}  # shape name -> timed entry, for the shapes tuned in this process
+    table: Path | None = None
 
 
 def _cache_dir() -> Path:
@@ -88,7 +100,11 @@ def load() -> bool:
     if _State.tried:
         return _State.op is not None
     _State.tried = True
-    if os.environ.get("SPECMESH_KERNELS", "1") == "0":
+    mode = os.environ.get("SPECMESH_KERNELS") or "auto"
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"SPECMESH_KERNELS: expected auto, 1 or 0, got {mode!r}")
+    _State.mode = mode
+    if mode == "0":
         _State.reason = "disabled by SPECMESH_KERNELS=0"
         return False
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -111,11 +127,48 @@ def reason() -> str:
     return _State.reason
 
 
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel itself, whatever the dispatch table says (timing, tests)."""
+    y = _State.op(x, weight)
+    return y if bias is None else y + bias
+
+
+def tune(module: nn.Module) -> None:
+    """Choose kernel or torch for each fp32 CPU `nn.Linear` weight shape in `module`, from the cached
+    table or by timing now (seconds, once per machine); one line on stderr says what was chosen."""
+    if _State.op is None or _State.mode != "auto":
+        return
+    weights = _dispatch.linear_weights(module)
+    if not weights:
+        return
+    entries, _State.table, spent = _dispatch.tune_weights(weights, kernel_linear, library_path())
+    _State.entries = {**_State.entries, **entries}
+    _State.torch_shapes = frozenset(tuple(int(d) for d in s.split("x")) for s, e in _State.entries.items()
+                                    if e["choice"] == "torch")
+    print(_dispatch.summary(entries, spent), file=sys.stderr, flush=True)
+
+
+def describe() -> dict:
+    """What `linear` does in this process, for startup lines and benchmark JSON."""
+    shapes = {s: {**e, "per_m_gain": _dispatch.per_m_gain(e)} for s, e in _State.entries.items()}
+    return {
+        "mode": {"auto": "measured", "1": "forced", "0": "off"}[_State.mode],
+        "active": active(), "reason": _State.reason,
+        "cpu": _dispatch.cpu_model(), "flags": _dispatch.cpu_flags(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "table": str(_State.table) if _State.table else None,
+        "rows_timed": list(_dispatch.TUNE_ROWS), "shapes": shapes,
+        # every fp32 product of <= SMALL_M_MAX rows goes through the kernel: rows independent of each other
+        "batch_invariant": active() and not _State.torch_shapes,
+    }
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through the small-M kernel when it applies (fp32 CPU, 2-D x of <= SMALL_M_MAX rows)."""
+    """`F.linear`, through the small-M kernel when it applies (fp32 CPU, 2-D x of <= SMALL_M_MAX rows)
+    and the dispatch table does not send this weight shape to torch."""
     op = _State.op
     if (op is None or x.dim() != 2 or x.shape[0] > SMALL_M_MAX or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous()
+            or weight.shape in _State.torch_shapes
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     y = op(x, weight)

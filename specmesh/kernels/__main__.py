@@ -1,11 +1,37 @@
-"""`python -m specmesh.kernels`: build (or find) the kernel library now and say whether it is used."""
+"""`python -m specmesh.kernels`: build (or find) the kernel library now and say whether it is used.
 
+`--report` prints this machine's dispatch table for this torch thread count (`--threads`): per
+weight shape and row count, the kernel's and torch's median time and the choice. `--target PATH`
+loads that model first, which times its shapes if the table lacks them.
+"""
+
+import argparse
 import sys
 
-from specmesh import kernels
+import torch
 
+from specmesh import kernels
+from specmesh.kernels import dispatch
+
+parser = argparse.ArgumentParser(prog="python -m specmesh.kernels")
+parser.add_argument("--report", action="store_true", help="print the dispatch table (kernel vs torch per shape)")
+parser.add_argument("--threads", type=int, default=None, help="torch threads the table is for (default: torch's)")
+parser.add_argument("--target", default=None, help="a model path: tune for its weight shapes first")
+args = parser.parse_args()
+if args.threads:
+    torch.set_num_threads(args.threads)
 if kernels.load():
-    print(f"specmesh kernels: active ({kernels.library_path()})")
+    print(f"specmesh kernels: active ({kernels.library_path()}, dispatch {kernels.describe()['mode']})")
 else:
     print(f"specmesh kernels: not used ({kernels.reason()})")
+if args.report or args.target:
+    if args.target:
+        from specmesh.loader import load_model
+
+        load_model(args.target)
+    if kernels.active():
+        lib = kernels.library_path()
+        path = dispatch.table_path(lib, dispatch.table_key(lib))
+        print(f"table: {path}")
+        dispatch.report(dispatch.read_table(path))
 sys.exit(0)
