@@ -57,6 +57,9 @@ class Config:
     pipelined: bool = True
     alpha: float | None = None
     cost_s: float = 0.0        # the oracle's draft cost per tree level
+    budget: int = DEPTH        # the request's SpeculationOptions (0 = the server's default)
+    depth: int = DEPTH
+    fixed: bool = False        # the shape as given, not as a cap for the verifier's planner
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
@@ -76,22 +79,20 @@ class Config:
 def _timed(chunks, c: Config) -> list[int]:
     """Consume a stream of token-id chunks into `c`: all tokens and the whole time, and the decode
     phase apart (tokens after the first chunk, from its arrival to the last chunk's)."""
-    out: list[int] = []
     t0 = time.perf_counter()
-    first = last = None
-    first_len = 0
-    for ids in chunks:
-        if not ids:
-            continue
-        last = time.perf_counter()
-        if first is None:
-            first, first_len = last, len(ids)
-        out.extend(ids)
-    c.seconds += time.perf_counter() - t0
+    arrivals = [(time.perf_counter(), ids) for ids in chunks if ids]
+    return add_timed(c, t0, arrivals, time.perf_counter())
+
+
+def add_timed(c: Config, t0: float, arrivals: list[tuple[float, list[int]]], end: float) -> list[int]:
+    """Add one generation to `c` from when it started, its chunks' (arrival time, token ids) and when
+    it ended (as `_timed` does, for callers that get chunks by callback); its token ids."""
+    out = [t for _, ids in arrivals for t in ids]
+    c.seconds += end - t0
     c.tokens += len(out)
-    if first is not None and last > first:
-        c.decode_tokens += len(out) - first_len
-        c.decode_s += last - first
+    if arrivals and arrivals[-1][0] > arrivals[0][0]:
+        c.decode_tokens += len(out) - len(arrivals[0][1])
+        c.decode_s += arrivals[-1][0] - arrivals[0][0]
     return out
 
 
@@ -190,33 +191,55 @@ def run_inproc(c: Config, model, ids: list[int], expected: list[int], max_tokens
     """One generation on the in-process engine, added to `c`. The oracle uses seed 0, the drafter
     service's, so it draws what the service's oracle draws."""
     from specmesh.drafters import OracleDrafter
-    from specmesh.engine import GenerationResult, SpecConfig, StopConditions, generate_stream
-    from specmesh.sampling import SamplingParams
+    from specmesh.engine import SpecConfig
 
     drafter = None
     if c.drafter != "none":
         drafter = OracleDrafter(ids + expected, 0.8, model.config.vocab_size, seed=0, draft_cost_s=c.cost_s)
+    generate_inproc(c, model, ids, expected, max_tokens, drafter, SpecConfig(DEPTH, DEPTH))
+
+
+def generate_inproc(c: Config, model, ids: list[int], expected: list[int] | None, max_tokens: int, drafter,
+                    spec, params=None, stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    """One streamed generation on the in-process engine (greedy unless `params`), timed and added
+    to `c` (the engine's draft time counts as idle); its new token ids. `expected` None: no check."""
+    from specmesh.engine import GenerationResult, StopConditions, generate_stream
+    from specmesh.sampling import SamplingParams
+
     res = GenerationResult()
-    out = _timed(generate_stream(model, ids, SamplingParams(), StopConditions(max_tokens), drafter,
-                                 SpecConfig(DEPTH, DEPTH), result=res), c)
+    out = _timed(generate_stream(model, ids, params or SamplingParams(), StopConditions(max_tokens, stop_ids),
+                                 drafter, spec, result=res), c)
     s = res.stats
     c.steps += s.steps
     c.idle_s += s.draft_s
     c.verify_s += s.verify_s
-    c.identical &= out == expected == res.token_ids
+    if expected is not None:
+        c.identical &= out == expected == res.token_ids
+    return out
 
 
-def run_remote(c: Config, address: dict[str, str], ids: list[int], expected: list[int], max_tokens: int) -> None:
-    """One Generate on the verifier `c.where` with drafter `c.drafter` (chains of DEPTH), added to `c`."""
+def run_remote(c: Config, address: dict[str, str], ids: list[int], expected: list[int] | None, max_tokens: int,
+               params=None, stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    """One Generate on the verifier `c.where` with drafter `c.drafter` (the shape `c` asks for:
+    chains of DEPTH by default), greedy unless `params`, stopping at `stop_ids` only (the server's
+    EOS ignored); added to `c`; its new token ids. `expected` None: no identity check."""
     from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
     with grpc.insecure_channel(address[c.where]) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
-        spec = verifier_pb2.SpeculationOptions(disabled=c.drafter == "none", budget=DEPTH, depth=DEPTH,
+        spec = verifier_pb2.SpeculationOptions(disabled=c.drafter == "none", budget=c.budget, depth=c.depth,
                                                no_pipelining=not c.pipelined)
+        if c.fixed:
+            spec.fixed = True
         req = verifier_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True, speculation=spec,
                                            drafter_address=address[c.drafter] if c.drafter != "none" else "")
         req.token_ids.ids.extend(ids)
+        req.stop_token_ids.extend(sorted(stop_ids))
+        if params is not None:
+            req.sampling.temperature, req.sampling.top_p, req.sampling.top_k = (params.temperature, params.top_p,
+                                                                                params.top_k)
+            if params.seed is not None:
+                req.sampling.seed = params.seed
         done = []
 
         def chunks():
@@ -232,7 +255,9 @@ def run_remote(c: Config, address: dict[str, str], ids: list[int], expected: lis
     c.idle_s += sp.draft_s
     c.verify_s += sp.verify_s
     c.hits += sp.predraft_hits
-    c.identical &= out == expected
+    if expected is not None:
+        c.identical &= out == expected
+    return out
 
 
 def summarise(configs: list[Config]) -> list[dict]:

@@ -1,0 +1,443 @@
+"""Real pairs through real services: the headline benchmark (`specmesh bench pairs`).
+
+Pairs: the bundled SmolLM2-135M target with its shipped feature drafter (what `--drafter auto`
+picks), and Qwen2.5-Coder 0.5B drafting for 1.5B (GGUF files of `specmesh models install
+qwen2.5-coder`; opt-in: when not installed its entry says so). Per pair, one verifier and one
+drafter service on 127.0.0.1, each with 1 torch thread (the drafter's core stands for the
+drafter's own cheaper hardware), requests with token ids, and these rows:
+- autoregressive through the verifier (speculation disabled): the unit of every ratio;
+- speculation with the server's default settings, pipelining off and on, greedy, plus one sampled
+  run (temperature 0.7, seeded) with the defaults, pipelining on;
+- fixed shapes for reference, chain 4 (budget 4, depth 4) and tree 8/4, pipelining off and on
+  (`SpeculationOptions.fixed` when the proto has it, else the shape is sent as plain caps: see
+  meta "fixed_shapes_sent_as");
+- the in-process engine (`specmesh.engine`) at the whole machine's threads, `none` and with the
+  pair's drafter (default shape);
+- transformers `generate` and assisted generation (`assistant_model=`, the pair's drafter as a
+  causal LM; a feature drafter is not one, so that row says why it is absent) at the whole
+  machine's threads, fp32, from the same GGUF files (specmesh.loader's cached conversion);
+- llama.cpp (`llama-cpp-python`, when importable; rows say "not installed" otherwise) on the same
+  GGUF files, plain decoding at 1 thread and at the machine's threads, and the binding's own
+  speculative decoding (prompt lookup: the binding offers no model-draft path, see meta).
+
+Prompts: held-out chat-templated code and prose prompts (`specmesh.distill.prompts` split
+"heldout", topics the shipped drafter never saw), every row on every prompt, interleaved prompt by
+prompt after one untimed warm-up. Generation stops at the tokenizer's EOS ids (as users run it),
+so every greedy row makes the same tokens; outputs of the greedy specmesh rows must equal the
+autoregressive verifier's ("identical"), transformers' and llama.cpp's are reported as agreement.
+
+Columns, as in bench_services.py: tok/s end to end and in decode (first streamed token to last);
+decode speedup vs autoregressive through the verifier; tokens per step E; verifier idle fraction;
+predraft hits; v = verification time per step / that verifier's autoregressive decode step; γc =
+the verifier's wait for a tree per step with pipelining off (drafting plus the link), in the same
+unit, for the same shape (pipelining-on rows take their off twin's); bounds E/max(v, γc)
+(pipelined) and E/(v + γc) (sequential), and the decode speedup as a fraction of the row's own.
+
+Usage: python -m loadtest.bench_pairs [--pairs smollm2,qwen2.5-coder] [--prompts N] [--max-tokens N]
+       [--quick] [--skip-peers] [--out FILE]        (also: specmesh bench pairs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loadtest.bench_drafters import _load_shared, pick_prompts
+from loadtest.bench_engine import base_meta
+from loadtest.bench_services import Config, _timed, add_timed, generate_inproc, run_remote
+from specmesh.launch import start
+
+PAIRS = ("smollm2", "qwen2.5-coder")
+RESULTS = Path(__file__).parent / "results"
+TEMPERATURE, SEED = 0.7, 1234
+AR = "services autoregressive"
+
+
+@dataclass
+class Row(Config):
+    """One configuration; `where`: tp1 (the services) | inproc | hf | llama."""
+    shape: str = ""            # default | chain 4 | tree 8/4
+    sampled: bool = False
+    threads: int = 1
+    status: str = "ok"         # else why the row has no numbers
+    agree_prompts: int = 0     # peers: prompts whose greedy output equals the verifier's ...
+    agree_tokens: int = 0      # ... and tokens of the common prefix, of ...
+    ref_tokens: int = 0        # ... the verifier's tokens
+    runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
+
+
+def service_rows() -> list[Row]:
+    rows = [Row(AR, "tp1")]
+    for shape, budget, depth, fixed in (("default", 0, 0, False), ("chain 4", 4, 4, True), ("tree 8/4", 8, 4, True)):
+        for pipe in (False, True):
+            rows.append(Row(f"services {shape} pipelining {'on' if pipe else 'off'}", "tp1", "drafter", pipe,
+                            budget=budget, depth=depth, fixed=fixed, shape=shape))
+    rows.append(Row(f"services default pipelining on, sampled T={TEMPERATURE}", "tp1", "drafter", True, budget=0,
+                    depth=0, shape="default", sampled=True))
+    return rows
+
+
+def load_pair(pair: str, threads: int, peers: bool) -> tuple[dict, list[Row]]:
+    """Paths, tokenizer and stop ids of `pair`, and its in-process and peer rows with their models."""
+    from specmesh.drafters import bundled_drafter_path
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.engine import SpecConfig
+    from specmesh.loader import bundled_target_path, load_tokenizer
+    from specmesh.modelsets import model_path
+    from specmesh.runtime import make_drafter
+
+    if pair == "smollm2":
+        target_path, draft_path = str(bundled_target_path()), str(bundled_drafter_path())
+    else:
+        target_path, draft_path = str(model_path(pair, "target")), str(model_path(pair, "drafter"))
+    target, hf = _load_shared(target_path)
+    if pair == "smollm2":  # the shipped feature drafter: not a causal LM transformers could run
+        drafter, hf_draft = make_drafter("model", draft_path, target), None
+    else:
+        draft, hf_draft = _load_shared(draft_path)
+        drafter = ModelDrafter(draft)
+    tok = load_tokenizer(target_path)
+    eos = hf.generation_config.eos_token_id
+    stop = frozenset([tok.eos_token_id] + (eos if isinstance(eos, list) else [eos])) - {None}
+    rows = [Row(f"in-process none ({threads} threads)", "inproc", threads=threads, runner=(target, None)),
+            Row(f"in-process speculative ({threads} threads)", "inproc", "drafter", shape="default",
+                threads=threads, runner=(target, drafter))]
+    hf_rows = [Row(f"transformers generate ({threads} threads)", "hf", threads=threads, runner=(hf, None)),
+               Row(f"transformers assisted ({threads} threads)", "hf", "drafter", threads=threads,
+                   runner=(hf, hf_draft))]
+    if hf_draft is None:
+        hf_rows[1].status = "n/a: the shipped drafter is a feature drafter (EAGLE-style), not a causal LM"
+    binding, why = llama_binding()
+    llama_rows = [Row("llama.cpp plain (1 thread)", "llama", threads=1),
+                  Row(f"llama.cpp plain ({threads} threads)", "llama", threads=threads),
+                  Row(f"llama.cpp prompt-lookup speculative ({threads} threads)", "llama", "pld", threads=threads),
+                  Row(f"llama.cpp speculative, {Path(draft_path).name} draft", "llama", "model",
+                      status="not offered by llama-cpp-python: its draft_model hook has only prompt lookup "
+                             "(LlamaPromptLookupDecoding)")]
+    for r in llama_rows[:3]:
+        if binding is None:
+            r.status = why
+        else:
+            r.runner = binding(target_path, r.threads, r.drafter == "pld")
+    for r in hf_rows + llama_rows:
+        if not peers:
+            r.status, r.runner = "skipped (--skip-peers)", None
+    info = {"pair": pair, "target": target_path, "drafter": draft_path, "stop_ids": sorted(stop),
+            "spec_default": SpecConfig()}
+    return info | {"tokenizer": tok}, rows + hf_rows + llama_rows
+
+
+def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: frozenset[int], spec) -> list[int]:
+    from specmesh.sampling import SamplingParams
+
+    params = SamplingParams(TEMPERATURE, seed=SEED) if r.sampled else None
+    if r.where == "tp1":
+        return run_remote(r, address, ids, None, n, params, stop)
+    if r.where == "inproc":
+        model, drafter = r.runner
+        return generate_inproc(r, model, ids, None, n, drafter, spec, params, stop)
+    if r.where == "hf":
+        return hf_timed(r, r.runner[0], ids, n, stop, r.runner[1])
+    return _timed(llama_chunks(r.runner, ids, n, stop), r)
+
+
+def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print) -> dict:
+    """Start the pair's services, run every row on every prompt (interleaved), stop them; the pair's report."""
+    from specmesh.runtime import encode_prompt
+
+    info, local_rows = load_pair(pair, threads, peers)
+    rows = service_rows() + local_rows
+    live = [r for r in rows if r.status == "ok"]
+    stop, spec = frozenset(info["stop_ids"]), info.pop("spec_default")
+    tok = info.pop("tokenizer")
+    prompts = [encode_prompt(tok, t, chat=True) for t in texts]
+    procs = {"tp1": start("verifier_service", "--threads", "1", "--target", info["target"]),
+             "drafter": start("drafter_service", "--drafter", f"model:{info['drafter']}", "--threads", "1")}
+    try:
+        address = {k: p.address for k, p in procs.items()}
+        for r in live:  # warm-up, untimed: first calls allocate and initialise kernels
+            run_row(Row(r.name, r.where, r.drafter, r.pipelined, budget=r.budget, depth=r.depth, fixed=r.fixed,
+                        sampled=r.sampled, runner=r.runner), address, prompts[0], 4, stop, spec)
+        for pi, ids in enumerate(prompts):
+            ref = run_row(live[0], address, ids, n, stop, spec)
+            for r in live[1:]:
+                out = run_row(r, address, ids, n, stop, spec)
+                if r.sampled:
+                    continue
+                if r.where in ("tp1", "inproc"):
+                    r.identical &= out == ref
+                common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                r.agree_prompts += out == ref
+                r.agree_tokens += common
+                r.ref_tokens += len(ref)
+            log(f"{pair}: prompt {pi + 1}/{len(prompts)} done ({len(ids)} prompt tokens, {len(ref)} generated)")
+    finally:
+        for p in procs.values():
+            p.stop()
+    info["spec_default"] = f"in-process: budget {spec.budget}, depth {spec.depth}; services: the server's default"
+    return info | {"results": summarise(rows, len(prompts))}
+
+
+def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
+    by = {r.name: r for r in rows}
+    ar = by[AR]
+    ar_dt, ar_ds = ar.decode_rate()
+    ar_tps = ar.tokens / ar.seconds
+    inproc_none = next(r for r in rows if r.where == "inproc" and r.drafter == "none")
+    out = []
+    for r in rows:
+        kind = {"tp1": "services", "inproc": "in-process", "hf": "transformers", "llama": "llama.cpp"}[r.where]
+        d: dict = {"name": r.name, "kind": kind, "threads": r.threads if r.where != "tp1" else "1 per service",
+                   "status": r.status}
+        if r.status != "ok":
+            out.append(d)
+            continue
+        dt, ds = r.decode_rate()
+        d |= {"shape": r.shape or None, "pipelining": r.pipelined if r.where == "tp1" and r.drafter != "none" else None,
+              "sampled": r.sampled, "tokens": r.tokens, "seconds": round(r.seconds, 3),
+              "tokens_per_s": round(r.tokens / r.seconds, 2), "decode_tokens_per_s": round(dt / ds, 2),
+              "speedup_vs_autoregressive": round(r.tokens / r.seconds / ar_tps, 3),
+              "decode_speedup_vs_autoregressive": round((dt / ds) / (ar_dt / ar_ds), 3)}
+        if not r.sampled:
+            d["greedy_identical_prompts"] = f"{r.agree_prompts}/{n_prompts}" if r is not ar else f"{n_prompts}/{n_prompts}"
+            d["greedy_token_agreement"] = round(r.agree_tokens / r.ref_tokens, 4) if r.ref_tokens else 1.0
+            if r.where in ("tp1", "inproc"):
+                d["identical_to_autoregressive"] = r.identical
+        if r.where in ("tp1", "inproc") and r.steps:
+            base = ar if r.where == "tp1" else inproc_none  # each runtime's own plain decode step is its unit
+            bt, bs = base.decode_rate()
+            unit, speedup = bs / bt, (dt / ds) / (bt / bs)
+            e, v = r.tokens / r.steps, r.verify_s / r.steps / unit
+            d |= {"steps": r.steps, "tokens_per_step": round(e, 3),
+                  "verify_idle_fraction": round(r.idle_s / r.seconds, 3), "verify_cost_v": round(v, 3)}
+            if r.where == "tp1":
+                d["predraft_hit_rate"] = round(r.hits / r.steps, 3)
+            twin = r if r.where == "inproc" or not r.pipelined else by.get(_off_twin(r.name))
+            if r.drafter != "none" and twin is not None and twin.steps:
+                gc = twin.idle_s / twin.steps / unit
+                pipe, seq = e / max(v, gc), e / (v + gc)
+                own = pipe if r.where == "tp1" and r.pipelined else seq
+                d |= {"gamma_c": round(gc, 3), "gamma_c_from": twin.name, "pipelined_bound": round(pipe, 3),
+                      "sequential_bound": round(seq, 3), "bound": "pipelined" if own is pipe else "sequential",
+                      "of_bound": round(speedup / own, 3)}
+        out.append(d)
+    return out
+
+
+def _off_twin(name: str) -> str:
+    return name.replace("pipelining on", "pipelining off")
+
+
+def hf_timed(r: Row, model, ids: list[int], max_tokens: int, stop: frozenset[int], assistant=None) -> list[int]:
+    """transformers greedy `generate` (assisted when `assistant`), its new ids timed into `r` as they
+    arrive at its streamer, so that the decode phase is timed as for the services. In this thread:
+    a second thread would start a second OpenMP team that spins against the first."""
+    x = torch.tensor([ids])  # [1, prompt]
+    arrivals: list[tuple[float, list[int]]] = []
+
+    class Streamer:  # transformers' streamer protocol: put(the prompt, then new ids), end()
+        prompt_seen = False
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.prompt_seen:
+                arrivals.append((time.perf_counter(), value.reshape(-1).tolist()))
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    kw = dict(do_sample=False, max_new_tokens=max_tokens, attention_mask=torch.ones_like(x),
+              eos_token_id=sorted(stop), pad_token_id=min(stop), streamer=Streamer())
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(x, **kw)
+    return add_timed(r, t0, arrivals, time.perf_counter())
+
+
+def llama_binding():
+    """(a factory of llama.cpp runners, None) when llama-cpp-python imports, else (None, why)."""
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as e:
+        return None, f"not installed (llama-cpp-python: {e})"
+
+    def make(gguf: str, threads: int, prompt_lookup: bool):
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=4) if prompt_lookup else None
+        return llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
+                               draft_model=draft, verbose=False)
+    return make, ""
+
+
+def llama_chunks(llm, ids: list[int], max_tokens: int, stop: frozenset[int]):
+    """llama.cpp greedy decoding (top_k 1, no penalties), one token id per yield; the KV cache is
+    reset first so no prompt prefix is reused across rows."""
+    llm.reset()
+    n = 0
+    for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        yield [int(t)]
+        n += 1
+        if t in stop or n >= max_tokens:
+            break
+
+
+def machine_info() -> dict:
+    """CPU model and vector flags (lscpu, /proc/cpuinfo), threads, library versions, HEAD."""
+    import transformers
+
+    def run(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    model = next((line.split(":", 1)[1].strip() for line in run("lscpu").splitlines()
+                  if line.startswith("Model name")), "unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])) if Path("/proc/cpuinfo").exists() else set()
+    try:
+        import llama_cpp
+        llama = llama_cpp.__version__
+    except ImportError:
+        llama = "not installed"
+    return {"cpu_model": model, "avx2": "avx2" in flags, "avx512": sorted(f for f in flags if f.startswith("avx512")),
+            "amx": sorted(f for f in flags if f.startswith("amx")), "machine_threads": os.cpu_count(),
+            "commit_full": run("git", "rev-parse", "HEAD").strip() or "unknown",
+            "torch": torch.__version__, "transformers": transformers.__version__, "llama_cpp_python": llama}
+
+
+def checks(results: list[dict]) -> dict:
+    """The issue's criteria that this one run can decide, from the rows above."""
+    by = {d["name"]: d for d in results if d["status"] == "ok"}
+
+    def tps(name: str) -> float | None:
+        return by[name]["tokens_per_s"] if name in by else None
+    ar, dflt = tps(AR), tps("services default pipelining on")
+    hf = [v for k, v in ((k, d["tokens_per_s"]) for k, d in by.items()) if k.startswith("transformers")]
+    fixed = [d["tokens_per_s"] for k, d in by.items() if k.startswith(("services chain", "services tree"))]
+    out: dict = {}
+    if ar and dflt:
+        out["default_vs_autoregressive"] = round(dflt / ar, 3)
+    if dflt and hf:
+        out["default_vs_faster_transformers"] = round(dflt / max(hf), 3)
+    if dflt and fixed:
+        out["default_vs_best_fixed_shape"] = round(dflt / max(fixed), 3)
+    pairs = [(k, _off_twin(k)) for k in by if k.startswith("services") and k.endswith("pipelining on")]
+    out["pipelining_on_vs_off"] = {k: round(by[k]["tokens_per_s"] / by[o]["tokens_per_s"], 3)
+                                   for k, o in pairs if o in by}
+    if "of_bound" in by.get("services default pipelining on", {}):
+        out["default_of_bound"] = by["services default pipelining on"]["of_bound"]
+    none_inproc = next((d for k, d in by.items() if k.startswith("in-process none")), None)
+    hf_plain = next((d for k, d in by.items() if k.startswith("transformers generate")), None)
+    if none_inproc and hf_plain:
+        out["in_process_none_vs_transformers_generate"] = round(none_inproc["tokens_per_s"] /
+                                                                hf_plain["tokens_per_s"], 3)
+    out["greedy_identical"] = all(d.get("identical_to_autoregressive", True) for d in by.values())
+    return out
+
+
+def format_table(report: dict) -> str:
+    """README-ready markdown: a line of meta, then per pair one table."""
+    m = report["meta"]
+    lines = [f"commit {m['commit']} · {m['cpu_model']} (AVX2 {m['avx2']}, AVX-512 {bool(m['avx512'])}) · "
+             f"{m['num_prompts']} held-out chat prompts (code and prose) x {m['max_tokens']} tokens, stop at EOS · "
+             f"services: {m['service_threads']} · in-process, transformers: {m['machine_threads']} threads"]
+    for p in report["pairs"]:
+        lines += ["", f"**{p['pair']}**" + (f": {p['status']}" if "results" not in p else
+                                             f" ({Path(p['target']).name}, drafter {Path(p['drafter']).name})")]
+        if "results" not in p:
+            continue
+        lines += ["| configuration | threads | tok/s | decode tok/s | decode vs AR | tokens/step | idle | "
+                  "predraft hits | γc | v | bound E/max(v,γc) | of bound | greedy identical |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for d in p["results"]:
+            if d["status"] != "ok":
+                lines.append(f"| {d['name']} | {d['threads']} | {d['status']} |" + " |" * 10)
+                continue
+
+            def g(k: str, fmt: str = "{:.2f}", d: dict = d) -> str:
+                return "–" if d.get(k) is None else fmt.format(d[k])
+            bound = "–" if "pipelined_bound" not in d else (
+                f"{d['pipelined_bound']:.2f}" + ("" if d["bound"] == "pipelined" else
+                                                 f" (seq. {d['sequential_bound']:.2f})"))
+            ident = "– (sampled)" if d["sampled"] else (
+                str(d["identical_to_autoregressive"]) if "identical_to_autoregressive" in d else
+                f"{d['greedy_identical_prompts']} prompts, {d['greedy_token_agreement']:.0%} tokens")
+            lines.append(f"| {d['name']} | {d['threads']} | {g('tokens_per_s', '{:.1f}')} | "
+                         f"{g('decode_tokens_per_s', '{:.1f}')} | {g('decode_speedup_vs_autoregressive')}x | "
+                         f"{g('tokens_per_step')} | {g('verify_idle_fraction', '{:.0%}')} | "
+                         f"{g('predraft_hit_rate', '{:.0%}')} | {g('gamma_c')} | {g('verify_cost_v')} | {bound} | "
+                         f"{g('of_bound', '{:.0%}')} | {ident} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="comma list of: " + ", ".join(PAIRS))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", default=str(RESULTS / "bench_pairs.json"))
+    ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 2 prompts x 12 tokens")
+    ap.add_argument("--skip-peers", action="store_true", help="no transformers or llama.cpp rows")
+    ap.add_argument("--markdown", metavar="JSON", default=None, help="print the table of a saved result and exit")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(format_table(json.loads(Path(args.markdown).read_text())))
+        return 0
+    pairs = ["smollm2"] if args.quick else [p.strip() for p in args.pairs.split(",") if p.strip()]
+    if unknown := set(pairs) - set(PAIRS):
+        ap.error(f"--pairs: unknown {sorted(unknown)}")
+    n_prompts, n = (2, 12) if args.quick else (args.prompts, args.max_tokens)
+    if n_prompts < 1 or n < 1:
+        ap.error("--prompts and --max-tokens must be >= 1")
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)  # this process runs the in-process and peer rows at the machine's threads
+    from specmesh.modelsets import model_path
+    from specmesh.v1 import verifier_pb2
+
+    texts = pick_prompts("qwen2.5-coder", n_prompts)  # code, code, prose, ...: held out for both pairs
+    report_pairs = []
+    for pair in pairs:
+        try:
+            model_path(pair, "target"), model_path(pair, "drafter")
+        except FileNotFoundError as e:
+            report_pairs.append({"pair": pair, "status": f"not installed: {e}"})
+            continue
+        report = bench_pair(pair, texts, n, threads, not args.skip_peers,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))
+        report["checks"] = checks(report["results"])
+        report_pairs.append(report)
+    has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
+    meta = base_meta() | machine_info() | {
+        "service_threads": "1 torch thread per service process (verifier, drafter)",
+        "in_process_threads": threads, "num_prompts": len(texts), "prompts": texts,
+        "prompt_split": "heldout (specmesh.distill.prompts), chat template", "max_tokens": n,
+        "stop": "the tokenizer's and generation config's EOS ids", "sampled_run": {"temperature": TEMPERATURE,
+                                                                                   "seed": SEED},
+        "fixed_shapes_sent_as": "SpeculationOptions.fixed = true" if has_fixed else
+        "budget/depth only (this proto has no SpeculationOptions.fixed yet)",
+        "llama_cpp_model_draft": "not offered by llama-cpp-python: Llama(draft_model=) takes a LlamaDraftModel, "
+                                 "and the binding ships only LlamaPromptLookupDecoding",
+        "note": "ratios from one run, every row on every prompt, interleaved prompt by prompt, after one "
+                "untimed warm-up; the machine may be shared"}
+    out = {"meta": meta, "pairs": report_pairs}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(format_table(out))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
