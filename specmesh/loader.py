@@ -139,10 +139,17 @@ def model_from_hf(hf_cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtyp
     return model
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Transformer:
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32) -> Transformer:
+    """`dtype`: a torch float dtype (the whole model in it), or a weight format of
+    `specmesh.quant.FORMATS` (Linear weights in it, the rest fp32; a GGUF loads straight into it)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    if isinstance(dtype, str):
+        p = Path(path)
+        if p.is_file() and p.suffix == ".gguf":
+            return load_gguf(p, dtype)
+        return quantize_model(load_model(path, torch.float32), dtype)
     folder = resolve_folder(path)
     hf_cfg = AutoConfig.from_pretrained(folder)
     files = sorted(folder.glob("*.safetensors"))
@@ -194,4 +201,154 @@ def target_embeddings(sha256: str, path_hint: str | None = None) -> torch.Tensor
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(_gguf_tokenizer_folder(p))
     return AutoTokenizer.from_pretrained(resolve_folder(path))
+
+
+def _gguf_tokenizer_folder(gguf: Path) -> Path:
+    """The GGUF's converted HF folder if cached, else a cached folder with its tokenizer only
+    (so that a quantized load never writes the fp32 weights)."""
+    key = _sha256(gguf)[:32]
+    full = cache_root() / "gguf" / key
+    if (full / "config.json").is_file():
+        return full
+    folder = cache_root() / "gguf-tokenizer" / key
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    from transformers import AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    try:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # a concurrent first load finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+# GGUF tensor names -> transformers names (llama.cpp's convert_hf_to_gguf, reversed).
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
+               "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
+    """llama.cpp permutes llama q/k rows for its rope layout; row i of HF = row perm[i] of GGUF
+    (transformers' `_reverse_permute_weights`, as an index)."""
+    return torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+
+
+def load_gguf(path: Path, fmt: str) -> Transformer:
+    """Build the model straight from a GGUF in weight format `fmt`, one tensor at a time: no fp32
+    copy of the whole model, in memory or on disk. 4-bit blocks become `int4` with their own codes;
+    under `int4` other tensors stay fp32; `int8` requantizes all (listed in `model.weight_format`)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoConfig
+
+    from specmesh.quant import FORMATS, GGUFEmbedding, QuantLinear, WeightFormat, gguf_int4_codes
+
+    if fmt not in FORMATS:
+        raise ValueError(f"dtype: expected a float dtype or one of {', '.join(FORMATS)}, got {fmt!r}")
+    hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq.to("meta"), scale)
+    reader = GGUFReader(path)
+    info = WeightFormat(fmt)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    tensors = {_hf_name(t.name): t for t in reader.tensors}
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied
+    permute = cfg.architecture == "llama"
+    state: dict[str, torch.Tensor] = {}
+    replaced: set[str] = set()  # Linear modules now a QuantLinear
+
+    def floats(t, n: int, k: int | None) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                .reshape((n, k) if k else (n,)).copy())
+
+    for name, t in tensors.items():
+        module, leaf = name.rsplit(".", 1)
+        n, k = int(t.shape[-1]), int(t.shape[0]) if len(t.shape) == 2 else None
+        rows = None
+        if permute and module.endswith(("q_proj", "k_proj")):
+            rows = _unpermute_rows(n, cfg.num_heads if module.endswith("q_proj") else cfg.num_kv_heads)
+        if module == "model.embed_tokens" and fmt in ("int8", "int4"):
+            model.model.embed_tokens = GGUFEmbedding(t.data, t.tensor_type, dim=k)
+            continue
+        if module not in linears or leaf != "weight" or fmt == "fp32":
+            w = floats(t, n, k)
+            state[name] = w if rows is None else w[rows]
+            continue
+        bias_t = tensors.get(module + ".bias")
+        bias = None if bias_t is None else floats(bias_t, n, None)
+        if bias is not None and rows is not None:
+            bias = bias[rows]
+        codes = gguf_int4_codes(t.data, t.tensor_type.name, n, k) if fmt == "int4" else None
+        if fmt == "int4" and codes is None:
+            # No exact 4-bit form (Q6_K, Q8_0, ...): kept fp32 as in the file rather than requantized;
+            # bf16 would be slower than fp32 on CPUs without native bf16 (bench_formats.json).
+            w = floats(t, n, k)
+            state[name] = w if rows is None else w[rows]
+            info.keep(t.tensor_type.name)
+            continue
+        replaced.add(module)
+        if codes is not None:
+            if rows is not None:
+                codes = type(codes)(codes.q[rows], codes.scale[rows], codes.zero[rows])
+            layer = QuantLinear.from_int4(codes, bias)
+        else:
+            w = floats(t, n, k)
+            layer = QuantLinear.from_float(w if rows is None else w[rows], bias, fmt)
+            info.note(module, t.tensor_type.name)
+        parent, child = module.rsplit(".", 1) if "." in module else ("", module)
+        setattr(model.get_submodule(parent), child, layer)
+    for name in list(state):
+        if name.endswith(".bias") and name.rsplit(".", 1)[0] in replaced:
+            state.pop(name)  # went into its QuantLinear
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings and fmt == "fp32":
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    left = [n for n in left if n != "inv_freq"]
+    if left:
+        raise ValueError(f"weights: {path.name} lacks {left[:5]}")
+    model.inv_freq = inv_freq.float()
+    model.weight_format = info
+    return model.eval()
+
+
+def quantize_model(model: Transformer, fmt: str) -> Transformer:
+    """Replace every Linear's fp32 weight by `fmt` in place (for non-GGUF checkpoints: all requantized)."""
+    from specmesh.quant import FORMATS, QuantLinear, WeightFormat
+
+    if fmt not in FORMATS:
+        raise ValueError(f"dtype: expected a float dtype or one of {', '.join(FORMATS)}, got {fmt!r}")
+    info = WeightFormat(fmt)
+    if fmt != "fp32":
+        for name, m in list(model.named_modules()):
+            if isinstance(m, torch.nn.Linear):
+                parent, child = name.rsplit(".", 1) if "." in name else ("", name)
+                setattr(model.get_submodule(parent), child, QuantLinear.from_float(m.weight, m.bias, fmt))
+                info.note(name, "F32")
+    model.weight_format = info
+    return model

@@ -204,8 +204,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         attn = self.model.layers[0].self_attn
-        local_kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
-        p = self.lm_head.weight
+        local_kv_heads = attn.k_proj.out_features // attn.head_dim
+        p = self.model.norm.weight  # the activations' dtype: Linear weights may be in a quantized format
         return KVCache(self.config.num_layers, local_kv_heads, attn.head_dim, capacity, p.dtype, p.device)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +247,7 @@ class Transformer(nn.Module):
                 s.mask = causal_mask(s.start, t, s.tokens.device)
         tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
-        cos, sin = self._rope(positions, self.lm_head.weight.dtype)
+        cos, sin = self._rope(positions, self.model.norm.weight.dtype)
         h = self.model.embed_tokens(tokens)  # [T, hidden]
         if self.fc is not None:
             if any(s.features is None or s.features.shape != (s.tokens.shape[0], h.shape[1]) for s in segments):

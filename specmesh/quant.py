@@ -1,0 +1,224 @@
+"""Weight formats for the runtime's Linear layers: fp32, bf16, int8 and 4-bit weight-only.
+
+A format is how a Linear's weight is stored and which kernel multiplies by it; the rest of the
+model (norms, attention, residual stream, KV cache) stays fp32 in every format.
+
+- `fp32`: `specmesh.model.Linear` as it is (the reference).
+- `bf16`: weight in bfloat16, `F.linear` on bf16 activations.
+- `int8`: int8 codes with one scale per output channel, `torch._weight_int8pack_mm`.
+- `int4`: 4-bit codes, one (scale, zero) pair per 32 inputs of a row,
+  `torch.ops.aten._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero.
+
+Both int kernels, and bf16 `F.linear`, take bf16 activations: with fp32 activations torch 2.13's
+CPU int kernels fall back to scalar code that runs 10-25x slower than fp32 `F.linear`
+(loadtest/bench_formats.py). So a `QuantLinear` rounds its input to bf16, and its output back to
+fp32; scales and zeros are held in bf16 too (the kernels want them in the activations' dtype).
+
+GGUF blocks that are 4-bit with 32-element groups (Q4_0, Q4_1, Q4_K) map onto `int4` exactly
+up to that bf16 rounding of scale and zero (`gguf_int4_codes`): the file's codes are kept, not
+requantized. Everything else (Q6_K, Q8_0, Q5_*, F16, ...) has no exact 4-bit or per-channel
+int8 form: `int4` keeps those tensors fp32 (the loader's choice), `int8` requantizes them
+(`from_float`), and `WeightFormat` records which, for the model card.
+
+This module knows tensors and GGUF block layouts; it knows nothing about files, names or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+GROUP = 32  # int4 group size: a GGUF 4-bit block is 32 weights
+COMPUTE_DTYPE = torch.bfloat16  # the int kernels' fast activation dtype on CPU
+
+
+@dataclass
+class Int4Codes:
+    """w[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]."""
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scale: torch.Tensor  # [N, K / 32] float32
+    zero: torch.Tensor  # [N, K / 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        g = self.q.view(n, k // GROUP, GROUP).float() - 8
+        return (g * self.scale[..., None] + self.zero[..., None]).view(n, k)  # [N, K]
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Codes:
+    """Asymmetric round-to-nearest 4-bit with 32-element groups (a requantization)."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)  # [N, K/32]
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).view(n, k)
+    return Int4Codes(q, scale, lo + 8 * scale)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ([N, K] int8, [N] float32 scales)."""
+    scale = (w.float().abs().amax(1) / 127).clamp_min(1e-12)
+    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
+    """GGUF 4-bit packing: per `2 * half` weights, `half` bytes, low nibbles first, then high."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, -1, 1, half) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(nb, -1)
+
+
+def gguf_int4_codes(raw: np.ndarray, qtype_name: str, n: int, k: int) -> Int4Codes | None:
+    """The codes and group parameters of a GGUF Q4_0 / Q4_1 / Q4_K tensor ([N, row bytes] uint8),
+    exactly as stored; None for any other type."""
+    if qtype_name not in _BLOCK:
+        return None
+    blocks = np.ascontiguousarray(raw).reshape(-1, _BLOCK[qtype_name][1])  # [N * K / block, bytes]
+    f16 = lambda b: b.copy().view(np.float16).astype(np.float32)  # noqa: E731 - [blocks, 1]
+    if qtype_name == "Q4_0":  # w = d * (q - 8)
+        d, qs = blocks[:, :2], blocks[:, 2:]
+        q, scale = _nibbles(qs, 16), f16(d)
+        zero = np.zeros_like(scale)
+    elif qtype_name == "Q4_1":  # w = d * q + m = (q - 8) * d + (m + 8 d)
+        d, m, qs = f16(blocks[:, :2]), f16(blocks[:, 2:4]), blocks[:, 4:]
+        q, scale, zero = _nibbles(qs, 16), d, m + 8 * d
+    else:  # Q4_K, 256 weights in 8 groups: w = d * sc * q - dmin * mn
+        from gguf.quants import Q4_K
+
+        d, dmin = f16(blocks[:, :2]), f16(blocks[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each, 6-bit
+        q = _nibbles(blocks[:, 16:], 32)
+        scale = d * sc.astype(np.float32)
+        zero = 8 * scale - dmin * mn.astype(np.float32)
+    groups = k // GROUP
+    return Int4Codes(torch.from_numpy(q.reshape(n, k).copy()),
+                     torch.from_numpy(scale.reshape(n, groups).copy()),
+                     torch.from_numpy(zero.reshape(n, groups).copy()))
+
+
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # weights, bytes per block
+
+
+class QuantLinear(nn.Module):
+    """A Linear in a non-fp32 format (`FORMATS`): fp32 in, fp32 out, `in_features`/`out_features`
+    like nn.Linear. Build with `from_float` or `from_int4`. Each output row depends only on its own
+    input row in every format here (bench_formats.py checks it), so a tree's rows equal the same
+    rows decoded one at a time."""
+
+    def __init__(self, fmt: str, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if fmt not in FORMATS[1:]:
+            raise ValueError(f"format: expected one of {', '.join(FORMATS[1:])}, got {fmt!r}")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @staticmethod
+    def from_float(w: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> "QuantLinear":
+        """From a float weight [N, K]; int8/int4 requantize it (round to nearest)."""
+        n, k = w.shape
+        m = QuantLinear(fmt, k, n, bias)
+        if fmt == "bf16":
+            m.register_buffer("weight", w.detach().to(COMPUTE_DTYPE).contiguous())
+        elif fmt == "int8":
+            q, s = quantize_int8(w.detach())
+            m.register_buffer("qweight", q)
+            m.register_buffer("scales", s.to(COMPUTE_DTYPE))
+        else:
+            m._set_int4(quantize_int4(w.detach()))
+        return m
+
+    @staticmethod
+    def from_int4(codes: Int4Codes, bias: torch.Tensor | None) -> "QuantLinear":
+        n, k = codes.q.shape
+        m = QuantLinear("int4", k, n, bias)
+        m._set_int4(codes)
+        return m
+
+    def _set_int4(self, c: Int4Codes) -> None:
+        if self.in_features % GROUP:
+            raise ValueError(f"int4: in_features {self.in_features} is not a multiple of {GROUP}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.q.to(torch.int32), 1)  # [N, K/2] uint8
+        sz = torch.stack([c.scale.t(), c.zero.t()], -1).to(COMPUTE_DTYPE).contiguous()  # [K/32, N, 2]
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scale_zero", sz)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)  # [M, K]
+        if self.fmt == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, GROUP, self.scale_zero)
+        elif self.fmt == "int8":
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            y = F.linear(x2, self.weight)
+        y = y.float()  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [N, K] this layer multiplies by (the kernels' own dequantization)."""
+        if self.fmt == "bf16":
+            return self.weight.float()
+        if self.fmt == "int8":
+            return self.qweight.float() * self.scales.float()[:, None]
+        eye = torch.eye(self.in_features)  # fp32 in, fp32 scales: each output is one weight, exactly
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, self.scale_zero.float()).t()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+@dataclass
+class WeightFormat:
+    """What a loaded model's Linear weights are, for the model card: the format, which tensors
+    were requantized into it and which were kept in fp32 (source type -> count of tensors)."""
+    fmt: str
+    requantized: dict[str, int] = field(default_factory=dict)
+    kept_fp32: dict[str, int] = field(default_factory=dict)
+
+    def note(self, module: str, source_type: str) -> None:
+        self.requantized[source_type] = self.requantized.get(source_type, 0) + 1
+
+    def keep(self, source_type: str) -> None:
+        self.kept_fp32[source_type] = self.kept_fp32.get(source_type, 0) + 1
+
+    @property
+    def requantizing(self) -> bool:
+        """True when some weight is not the checkpoint's own value (beyond bf16 rounding)."""
+        return self.fmt in ("int8", "int4") and bool(self.requantized)
+
+    def describe(self) -> str:
+        """e.g. `int4 (kept fp32: 29 Q6_K)`, `int8 (requantized: 196 Q4_K, 29 Q6_K)`."""
+        notes = []
+        if self.requantizing:
+            notes.append("requantized: " + ", ".join(f"{n} {t}" for t, n in sorted(self.requantized.items())))
+        if self.kept_fp32:
+            notes.append("kept fp32: " + ", ".join(f"{n} {t}" for t, n in sorted(self.kept_fp32.items())))
+        return self.fmt + (f" ({'; '.join(notes)})" if notes else "")
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept as the GGUF's own blocks ([vocab, row bytes] uint8); looked-up rows
+    are dequantized on the fly. A table is read a few rows per token, so its format costs no
+    bandwidth, and this keeps a 151k x 1536 table at its file size instead of 0.9 GB of fp32."""
+
+    def __init__(self, raw: np.ndarray, qtype, dim: int) -> None:
+        super().__init__()
+        self.raw, self.qtype, self.embedding_dim = np.asarray(raw), qtype, dim
+        self.num_embeddings = self.raw.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        rows = self.raw[tokens.reshape(-1).cpu().numpy()]
+        out = np.asarray(dequantize(rows, self.qtype), dtype=np.float32).reshape(*tokens.shape, self.embedding_dim)
+        return torch.from_numpy(out.copy())  # [T, dim]
