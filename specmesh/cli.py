@@ -1,4 +1,4 @@
-"""`specmesh` command line: `generate` (in-process speculative generation), `bench engine`, `up`
+"""`specmesh` command line: `generate` (in-process speculative generation), `bench engine|drafters|pairs`, `up`
 (a local cluster, specmesh.up), `loadtest` (loadtest.run) and `models` (specmesh.modelsets).
 
 Parses flags into the core's typed settings and calls the core; no logic of its own.
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=int, default=None)
     bsub.add_parser("drafters", help="drafter acceptance, cost and speedup (loadtest/bench_drafters.py; "
                          "flags passed through)", add_help=False)
+    bsub.add_parser("pairs", help="real drafter/target pairs through real services, with transformers and llama.cpp "
+                    "as peers (loadtest/bench_pairs.py; flags passed through)", add_help=False)
     m = sub.add_parser("models", help="named drafter/target model sets: list, install (opt-in download), verify")
     msub = m.add_subparsers(dest="models", required=True)
     ml = msub.add_parser("list", help="every set, its models, sizes and whether they are installed")
@@ -203,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.bench_drafters import main as drafters_main
 
         return drafters_main(argv[2:])
+    if argv[:2] == ["bench", "pairs"]:
+        from loadtest.bench_pairs import main as pairs_main
+
+        return pairs_main(argv[2:])
     args = build_parser().parse_args(argv)
     t = time.perf_counter()
     try:

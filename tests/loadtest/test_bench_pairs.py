@@ -1,0 +1,89 @@
+"""bench_pairs: its arithmetic on synthetic rows (γc from the pipelining-off twin, the bounds, the
+in-process rows' own unit), and its quick mode end to end: real verifier and drafter services with
+the bundled SmolLM2 and its shipped drafter, the JSON's shape, greedy outputs identical."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest.bench_pairs import AR, Row, checks, format_table, main, summarise
+
+
+def _rows() -> list[Row]:
+    # the verifier's AR decode step: 0.1 s (10 tokens after the first in 1 s)
+    return [
+        Row(AR, "tp1", tokens=11, seconds=1.2, decode_tokens=10, decode_s=1.0, steps=11, verify_s=1.1),
+        # off: waits 0.05 s per step for a tree (γc = 0.5), verifies in 0.12 s (v = 1.2), 2.5 tokens/step
+        Row("services default pipelining off", "tp1", "drafter", False, budget=0, depth=0, tokens=20, seconds=1.2,
+            decode_tokens=18, decode_s=1.0, steps=8, idle_s=0.4, verify_s=0.96, shape="default"),
+        Row("services default pipelining on", "tp1", "drafter", True, budget=0, depth=0, tokens=20, seconds=1.0,
+            decode_tokens=18, decode_s=0.9, steps=8, idle_s=0.1, verify_s=0.96, hits=4, shape="default"),
+        Row("in-process none (2 threads)", "inproc", tokens=11, seconds=0.6, decode_tokens=10, decode_s=0.5,
+            steps=11, verify_s=0.55, threads=2),
+        Row("in-process speculative (2 threads)", "inproc", "drafter", tokens=20, seconds=0.5, decode_tokens=18,
+            decode_s=0.45, steps=8, idle_s=0.08, verify_s=0.32, threads=2, shape="default"),
+        Row("transformers generate (2 threads)", "hf", tokens=11, seconds=0.8, decode_tokens=10, decode_s=0.7,
+            threads=2, agree_prompts=1, agree_tokens=11, ref_tokens=11),
+        Row("llama.cpp plain (1 thread)", "llama", status="not installed (llama-cpp-python: no module)"),
+    ]
+
+
+def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_step() -> None:
+    rows = {d["name"]: d for d in summarise(_rows(), 1)}
+    off, on = rows["services default pipelining off"], rows["services default pipelining on"]
+    assert off["gamma_c"] == pytest.approx(0.5) and on["gamma_c"] == pytest.approx(0.5)
+    assert on["gamma_c_from"] == "services default pipelining off"
+    assert off["verify_cost_v"] == pytest.approx(1.2) and off["tokens_per_step"] == pytest.approx(2.5)
+    assert off["pipelined_bound"] == pytest.approx(2.5 / 1.2, abs=1e-3)
+    assert off["bound"] == "sequential" and off["sequential_bound"] == pytest.approx(2.5 / 1.7, abs=1e-3)
+    assert on["bound"] == "pipelined"
+    assert on["decode_speedup_vs_autoregressive"] == pytest.approx(2.0)  # 20 tok/s decode vs 10
+    assert on["of_bound"] == pytest.approx(2.0 / (2.5 / 1.2), abs=1e-3)
+    assert on["predraft_hit_rate"] == pytest.approx(0.5)
+    spec = rows["in-process speculative (2 threads)"]  # unit: the in-process plain step, 0.05 s
+    assert spec["verify_cost_v"] == pytest.approx(0.8) and spec["gamma_c"] == pytest.approx(0.2)
+    assert spec["of_bound"] == pytest.approx((40 / 20) / (2.5 / 1.0), abs=1e-3)
+    assert rows["transformers generate (2 threads)"]["greedy_identical_prompts"] == "1/1"
+    assert rows["llama.cpp plain (1 thread)"] == {"name": "llama.cpp plain (1 thread)", "kind": "llama.cpp",
+                                                 "threads": 1, "status": "not installed (llama-cpp-python: no module)"}
+    c = checks(list(rows.values()))
+    assert c["default_vs_autoregressive"] == pytest.approx((20 / 1.0) / (11 / 1.2), abs=1e-2)
+    assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(1.2)}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
+    out = tmp_path / "bench_pairs.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    for key in ("cpu_model", "avx2", "avx512", "machine_threads", "commit_full", "torch", "transformers",
+                "llama_cpp_python", "service_threads", "fixed_shapes_sent_as", "prompts"):
+        assert key in meta, key
+    assert "1 torch thread" in meta["service_threads"]
+    (pair,) = report["pairs"]
+    assert pair["pair"] == "smollm2"
+    rows = {d["name"]: d for d in pair["results"]}
+    for name in (AR, "services default pipelining off", "services default pipelining on",
+                 "services chain 4 pipelining off", "services chain 4 pipelining on",
+                 "services tree 8/4 pipelining off", "services tree 8/4 pipelining on"):
+        d = rows[name]
+        assert d["status"] == "ok" and d["tokens"] > 0 and d["tokens_per_s"] > 0, d
+        assert d["identical_to_autoregressive"] is True, name
+        if name != AR:
+            assert {"gamma_c", "verify_cost_v", "pipelined_bound", "of_bound", "predraft_hit_rate"} <= d.keys()
+    sampled = next(d for d in pair["results"] if d["status"] == "ok" and d["sampled"])
+    assert "identical_to_autoregressive" not in sampled
+    inproc = [d for d in pair["results"] if d["kind"] == "in-process"]
+    assert len(inproc) == 2 and all(d["identical_to_autoregressive"] for d in inproc)
+    hf = rows[next(n for n in rows if n.startswith("transformers generate"))]
+    assert hf["status"] == "ok" and "greedy_token_agreement" in hf
+    llama = [d for d in pair["results"] if d["kind"] == "llama.cpp"]
+    assert len(llama) == 4 and all(d["status"] == "ok" or d["status"].startswith(("not installed", "not offered"))
+                                   for d in llama)
+    assert pair["checks"]["greedy_identical"] is True
+    table = format_table(report)
+    assert all(name in table for name in rows)
