@@ -32,6 +32,9 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF folder, .safetensors or .gguf (default: bundled SmolLM2)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("SPECMESH_THREADS", "0")) or None,
                    help="torch threads for this process (default: torch's own choice)")
+    p.add_argument("--dtype", default=os.environ.get("SPECMESH_DTYPE", "float32"),
+                   help="float32 | bfloat16 | float16 (the whole model) | int8 | int4 (Linear weights only, "
+                        "CPU; a GGUF's 4-bit tensors load as they ship)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +124,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specmesh.drafters import parse_drafter_spec, resolve_auto
     from specmesh.engine import SpecConfig, StopConditions, generate_stream, GenerationResult
-    from specmesh.runtime import encode_prompt, load_target, make_drafter, reference_continuation
+    from specmesh.runtime import encode_prompt, make_drafter, reference_continuation
     from specmesh.sampling import SamplingParams
     from specmesh.text import TextStream
 
@@ -133,7 +136,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     kind, arg = parse_drafter_spec(args.drafter)
     spec = SpecConfig(args.tree_budget, args.depth)
     spec.validate()
-    model, tok = load_target(args.target)
+    from specmesh.device import parse_dtype
+    from specmesh.loader import bundled_target_path, load_model, load_tokenizer
+
+    target = args.target or bundled_target_path()
+    model, tok = load_model(target, parse_dtype(args.dtype)), load_tokenizer(target)
+    if getattr(model, "weight_format", None) is not None:
+        print(f"weights: {model.weight_format.describe()}", file=sys.stderr)
     prompt_ids = encode_prompt(tok, args.prompt, args.chat)
     stop = StopConditions(args.max_tokens, frozenset(_eos_ids(tok)), tuple(args.stop))
     stop.validate()

@@ -12,14 +12,18 @@ is an argmax, and in bfloat16 the few-ulp differences between a one-token decode
 verification (other kernels, other reduction orders) flip near-ties, so speculative and plain
 decoding can part ways. `--dtype bfloat16` halves memory traffic and is the usual choice on GPUs
 (vLLM's `auto` takes the checkpoint's dtype); with it the output is the target's up to those
-numerics, as in every GPU serving engine.
+numerics, as in every GPU serving engine. `--dtype int8|int4`: weight-only quantized Linear
+layers (`specmesh.quant`, CPU); a GGUF loads straight into them.
 """
 
 from __future__ import annotations
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A float dtype puts the whole model in it; a weight format (`specmesh.quant`) only its Linear
+# weights, the rest staying fp32. int8 / int4 run on CPU kernels only.
+DTYPES: dict[str, torch.dtype | str] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16, "int8": "int8", "int4": "int4"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,7 +46,8 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> torch.dtype | str:
+    """A torch float dtype, or a weight format name ("int8", "int4") for `loader.load_model`."""
     try:
         return DTYPES[name]
     except KeyError:
@@ -83,4 +88,7 @@ def to_cpu(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def place(model, device: torch.device):
     """`model` itself on the CPU (no wrapper, no copies), else wrapped in `OnDevice`."""
+    fmt = getattr(model, "weight_format", None)
+    if device.type != "cpu" and fmt is not None and fmt.fmt in ("int8", "int4"):
+        raise ValueError(f"dtype: {fmt.fmt} weights run on CPU kernels only; use float32 or bfloat16 on {device}")
     return model if device.type == "cpu" else OnDevice(model, device)

@@ -254,6 +254,27 @@ def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
 
 
+def _gguf_config(gguf: Path):
+    """The GGUF's transformers config, cached by the file's sha256 (parsing the metadata of a
+    151k-token vocabulary takes several seconds)."""
+    from transformers import AutoConfig
+
+    key = _sha256(gguf)[:32]
+    for folder in (cache_root() / "gguf" / key, cache_root() / "gguf-config" / key):
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(folder)
+    hf_cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    folder = cache_root() / "gguf-config" / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    hf_cfg.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # a concurrent first load finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hf_cfg
+
+
 def load_gguf(path: Path, fmt: str) -> Transformer:
     """Build the model straight from a GGUF in weight format `fmt`, one tensor at a time: no fp32
     copy of the whole model, in memory or on disk. 4-bit blocks become `int4` with their own codes;
@@ -261,13 +282,11 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
-    from transformers import AutoConfig
-
     from specmesh.quant import FORMATS, GGUFEmbedding, QuantLinear, WeightFormat, gguf_int4_codes
 
     if fmt not in FORMATS:
         raise ValueError(f"dtype: expected a float dtype or one of {', '.join(FORMATS)}, got {fmt!r}")
-    hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    hf_cfg = _gguf_config(path)
     cfg = ModelConfig.from_hf(hf_cfg)
     inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
     with torch.device("meta"):
