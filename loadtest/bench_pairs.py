@@ -30,8 +30,10 @@ Columns, as in bench_services.py: tok/s end to end and in decode (first streamed
 decode speedup vs autoregressive through the verifier; tokens per step E; verifier idle fraction;
 predraft hits; v = verification time per step / that verifier's autoregressive decode step; γc =
 the verifier's wait for a tree per step with pipelining off (drafting plus the link), in the same
-unit, for the same shape (pipelining-on rows take their off twin's); bounds E/max(v, γc)
-(pipelined) and E/(v + γc) (sequential), and the decode speedup as a fraction of the row's own.
+unit, for the same shape (pipelining-on rows take their off twin's; from its decode phase, see
+`_gamma_c`); bounds E/max(v, γc) (pipelined) and E/(v + γc) (sequential), and the decode speedup
+as a fraction of the row's own. A pipelining-off row's γc is derived from its own step time, so
+its sequential "of bound" is near 1 by construction; the pipelined rows' is the one that tells.
 
 Usage: python -m loadtest.bench_pairs [--pairs smollm2,qwen2.5-coder] [--prompts N] [--max-tokens N]
        [--quick] [--skip-peers] [--out FILE]        (also: specmesh bench pairs)
@@ -222,7 +224,7 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
                 d["predraft_hit_rate"] = round(r.hits / r.steps, 3)
             twin = r if r.where == "inproc" or not r.pipelined else by.get(_off_twin(r.name))
             if r.drafter != "none" and twin is not None and twin.steps:
-                gc = twin.idle_s / twin.steps / unit
+                gc = _gamma_c(twin, unit)
                 pipe, seq = e / max(v, gc), e / (v + gc)
                 own = pipe if r.where == "tp1" and r.pipelined else seq
                 d |= {"gamma_c": round(gc, 3), "gamma_c_from": twin.name, "pipelined_bound": round(pipe, 3),
@@ -230,6 +232,17 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
                       "of_bound": round(speedup / own, 3)}
         out.append(d)
     return out
+
+
+def _gamma_c(twin: Row, unit: float) -> float:
+    """Draft cost per step in `unit`s, from a row that waits for every tree. Services: a decode-phase
+    step's time less its verification (the first step, before the first chunk, also waits for the
+    drafter's prefill of the prompt, so the verifier's summed wait would overstate it); in-process:
+    the engine's draft time per step (its drafter's prefill is not in it)."""
+    if twin.where != "tp1":
+        return twin.idle_s / twin.steps / unit
+    per_step = twin.decode_s / max(twin.steps - 1, 1)
+    return max(0.0, (per_step - twin.verify_s / twin.steps) / unit)
 
 
 def _off_twin(name: str) -> str:
@@ -342,6 +355,11 @@ def checks(results: list[dict]) -> dict:
     if none_inproc and hf_plain:
         out["in_process_none_vs_transformers_generate"] = round(none_inproc["tokens_per_s"] /
                                                                 hf_plain["tokens_per_s"], 3)
+    llama = next((d for k, d in by.items() if k.startswith("llama.cpp plain") and d["threads"] != 1), None)
+    if llama and none_inproc:  # issue 20: the same machine threads on both sides
+        out["in_process_none_vs_llama_plain"] = round(none_inproc["tokens_per_s"] / llama["tokens_per_s"], 3)
+    if llama and dflt:
+        out["default_vs_llama_plain"] = round(dflt / llama["tokens_per_s"], 3)
     out["greedy_identical"] = all(d.get("identical_to_autoregressive", True) for d in by.values())
     return out
 

@@ -15,9 +15,10 @@ def _rows() -> list[Row]:
     # the verifier's AR decode step: 0.1 s (10 tokens after the first in 1 s)
     return [
         Row(AR, "tp1", tokens=11, seconds=1.2, decode_tokens=10, decode_s=1.0, steps=11, verify_s=1.1),
-        # off: waits 0.05 s per step for a tree (γc = 0.5), verifies in 0.12 s (v = 1.2), 2.5 tokens/step
-        Row("services default pipelining off", "tp1", "drafter", False, budget=0, depth=0, tokens=20, seconds=1.2,
-            decode_tokens=18, decode_s=1.0, steps=8, idle_s=0.4, verify_s=0.96, shape="default"),
+        # off: 0.1 s per decode step (10 after the first in 1 s), of which 0.06 s verifying (v = 0.6), so
+        # γc = 0.4; its summed wait (0.5 s: the first one held the drafter's prefill) is not used; E = 2
+        Row("services default pipelining off", "tp1", "drafter", False, budget=0, depth=0, tokens=22, seconds=1.2,
+            decode_tokens=18, decode_s=1.0, steps=11, idle_s=0.5, verify_s=0.66, shape="default"),
         Row("services default pipelining on", "tp1", "drafter", True, budget=0, depth=0, tokens=20, seconds=1.0,
             decode_tokens=18, decode_s=0.9, steps=8, idle_s=0.1, verify_s=0.96, hits=4, shape="default"),
         Row("in-process none (2 threads)", "inproc", tokens=11, seconds=0.6, decode_tokens=10, decode_s=0.5,
@@ -33,12 +34,13 @@ def _rows() -> list[Row]:
 def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_step() -> None:
     rows = {d["name"]: d for d in summarise(_rows(), 1)}
     off, on = rows["services default pipelining off"], rows["services default pipelining on"]
-    assert off["gamma_c"] == pytest.approx(0.5) and on["gamma_c"] == pytest.approx(0.5)
+    assert off["gamma_c"] == pytest.approx(0.4) and on["gamma_c"] == pytest.approx(0.4)
     assert on["gamma_c_from"] == "services default pipelining off"
-    assert off["verify_cost_v"] == pytest.approx(1.2) and off["tokens_per_step"] == pytest.approx(2.5)
-    assert off["pipelined_bound"] == pytest.approx(2.5 / 1.2, abs=1e-3)
-    assert off["bound"] == "sequential" and off["sequential_bound"] == pytest.approx(2.5 / 1.7, abs=1e-3)
-    assert on["bound"] == "pipelined"
+    assert off["verify_cost_v"] == pytest.approx(0.6) and off["tokens_per_step"] == pytest.approx(2.0)
+    assert off["pipelined_bound"] == pytest.approx(2.0 / 0.6, abs=1e-3)
+    assert off["bound"] == "sequential" and off["sequential_bound"] == pytest.approx(2.0)
+    assert off["of_bound"] == pytest.approx(1.8 / 2.0)
+    assert on["bound"] == "pipelined" and on["verify_cost_v"] == pytest.approx(1.2)
     assert on["decode_speedup_vs_autoregressive"] == pytest.approx(2.0)  # 20 tok/s decode vs 10
     assert on["of_bound"] == pytest.approx(2.0 / (2.5 / 1.2), abs=1e-3)
     assert on["predraft_hit_rate"] == pytest.approx(0.5)
@@ -50,7 +52,7 @@ def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_
                                                  "threads": 1, "status": "not installed (llama-cpp-python: no module)"}
     c = checks(list(rows.values()))
     assert c["default_vs_autoregressive"] == pytest.approx((20 / 1.0) / (11 / 1.2), abs=1e-2)
-    assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(1.2)}
+    assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(20.0 / 18.33, abs=1e-3)}
 
 
 @pytest.mark.e2e
