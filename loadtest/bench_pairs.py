@@ -87,11 +87,20 @@ def service_rows() -> list[Row]:
     return rows
 
 
-def load_pair(pair: str, threads: int, peers: bool) -> tuple[dict, list[Row]]:
-    """Paths, tokenizer and stop ids of `pair`, and its in-process and peer rows with their models."""
+@dataclass
+class LoadedPair:
+    target: str      # paths
+    drafter: str
+    tokenizer: object
+    stop: frozenset[int]
+    rows: list[Row]  # in-process and peer rows, their models loaded
+
+
+def load_pair(pair: str, threads: int, peers: bool, n_ctx: int) -> LoadedPair:
+    """The pair's files, tokenizer and stop ids, and its in-process and peer rows with their models
+    (llama.cpp with a context of `n_ctx` tokens: its prompt lookup keeps logits for every position)."""
     from specmesh.drafters import bundled_drafter_path
     from specmesh.drafters.model import ModelDrafter
-    from specmesh.engine import SpecConfig
     from specmesh.loader import bundled_target_path, load_tokenizer
     from specmesh.modelsets import model_path
     from specmesh.runtime import make_drafter
@@ -124,17 +133,22 @@ def load_pair(pair: str, threads: int, peers: bool) -> tuple[dict, list[Row]]:
                   Row(f"llama.cpp speculative, {Path(draft_path).name} draft", "llama", "model",
                       status="not offered by llama-cpp-python: its draft_model hook has only prompt lookup "
                              "(LlamaPromptLookupDecoding)")]
-    for r in llama_rows[:3]:
-        if binding is None:
-            r.status = why
-        else:
-            r.runner = binding(target_path, r.threads, r.drafter == "pld")
     for r in hf_rows + llama_rows:
         if not peers:
             r.status, r.runner = "skipped (--skip-peers)", None
-    info = {"pair": pair, "target": target_path, "drafter": draft_path, "stop_ids": sorted(stop),
-            "spec_default": SpecConfig()}
-    return info | {"tokenizer": tok}, rows + hf_rows + llama_rows
+        elif r.where == "llama" and r.status == "ok":
+            if binding is None:
+                r.status = why
+            else:
+                r.runner = binding(target_path, r.threads, r.drafter == "pld", n_ctx)
+    return LoadedPair(target_path, draft_path, tok, stop, rows + hf_rows + llama_rows)
+
+
+def load_tokenizer_of(pair: str):
+    from specmesh.loader import bundled_target_path, load_tokenizer
+    from specmesh.modelsets import model_path
+
+    return load_tokenizer(bundled_target_path() if pair == "smollm2" else model_path(pair, "target"))
 
 
 def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: frozenset[int], spec) -> list[int]:
@@ -155,14 +169,16 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     """Start the pair's services, run every row on every prompt (interleaved), stop them; the pair's report."""
     from specmesh.runtime import encode_prompt
 
-    info, local_rows = load_pair(pair, threads, peers)
-    rows = service_rows() + local_rows
-    live = [r for r in rows if r.status == "ok"]
-    stop, spec = frozenset(info["stop_ids"]), info.pop("spec_default")
-    tok = info.pop("tokenizer")
+    from specmesh.engine import SpecConfig
+
+    tok = load_tokenizer_of(pair)
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
-    procs = {"tp1": start("verifier_service", "--threads", "1", "--target", info["target"]),
-             "drafter": start("drafter_service", "--drafter", f"model:{info['drafter']}", "--threads", "1")}
+    loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
+    rows = service_rows() + loaded.rows
+    live = [r for r in rows if r.status == "ok"]
+    stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
+    procs = {"tp1": start("verifier_service", "--threads", "1", "--target", loaded.target),
+             "drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", "1")}
     try:
         address = {k: p.address for k, p in procs.items()}
         for r in live:  # warm-up, untimed: first calls allocate and initialise kernels
@@ -184,8 +200,10 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     finally:
         for p in procs.values():
             p.stop()
-    info["spec_default"] = f"in-process: budget {spec.budget}, depth {spec.depth}; services: the server's default"
-    return info | {"results": summarise(rows, len(prompts))}
+    return {"pair": pair, "target": loaded.target, "drafter": loaded.drafter, "stop_ids": sorted(stop),
+            "default_shape": f"services: the verifier's defaults (no budget/depth sent); in-process: "
+                             f"budget {spec.budget}, depth {spec.depth} (specmesh.engine.SpecConfig)",
+            "results": summarise(rows, len(prompts))}
 
 
 def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
@@ -285,9 +303,9 @@ def llama_binding():
     except ImportError as e:
         return None, f"not installed (llama-cpp-python: {e})"
 
-    def make(gguf: str, threads: int, prompt_lookup: bool):
+    def make(gguf: str, threads: int, prompt_lookup: bool, n_ctx: int):
         draft = LlamaPromptLookupDecoding(num_pred_tokens=4) if prompt_lookup else None
-        return llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
+        return llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                                draft_model=draft, verbose=False)
     return make, ""
 
