@@ -22,7 +22,7 @@ class DrafterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., extend: _Optional[_Union[ExtendSession, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts")
+    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class OpenSession(_message.Message):
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PUSH_PREDRAFTS_FIELD_NUMBER: _ClassVar[int]
+    FIXED_SHAPE_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     budget: int
@@ -37,7 +38,8 @@ class OpenSession(_message.Message):
     pipelined: bool
     features: bytes
     push_predrafts: bool
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ...) -> None: ...
+    fixed_shape: bool
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ...) -> None: ...
 
 class ExtendSession(_message.Message):
     __slots__ = ("tokens", "budget", "depth", "keep", "features")
@@ -54,7 +56,7 @@ class ExtendSession(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class CommitStep(_message.Message):
-    __slots__ = ("step", "accepted", "bonus", "budget", "depth", "features", "took_predraft")
+    __slots__ = ("step", "accepted", "bonus", "budget", "depth", "features", "took_predraft", "verify_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,7 @@ class CommitStep(_message.Message):
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TOOK_PREDRAFT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
@@ -69,7 +72,8 @@ class CommitStep(_message.Message):
     depth: int
     features: bytes
     took_predraft: bool
-    def __init__(self, step: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., features: _Optional[bytes] = ..., took_predraft: _Optional[bool] = ...) -> None: ...
+    verify_s: float
+    def __init__(self, step: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., features: _Optional[bytes] = ..., took_predraft: _Optional[bool] = ..., verify_s: _Optional[float] = ...) -> None: ...
 
 class CloseSession(_message.Message):
     __slots__ = ()
@@ -94,7 +98,9 @@ class DraftResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ..., error: _Optional[str] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ...) -> None: ...
 
 class Ahead(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "depth")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+    depth: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ...) -> None: ...

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("disabled", "budget", "depth", "no_pipelining", "draft_deadline_s")
+    __slots__ = ("disabled", "budget", "depth", "no_pipelining", "draft_deadline_s", "fixed")
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     NO_PIPELINING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    FIXED_FIELD_NUMBER: _ClassVar[int]
     disabled: bool
     budget: int
     depth: int
     no_pipelining: bool
     draft_deadline_s: float
-    def __init__(self, disabled: _Optional[bool] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., no_pipelining: _Optional[bool] = ..., draft_deadline_s: _Optional[float] = ...) -> None: ...
+    fixed: bool
+    def __init__(self, disabled: _Optional[bool] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., no_pipelining: _Optional[bool] = ..., draft_deadline_s: _Optional[float] = ..., fixed: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "drafter_address", "speculation", "history")
