@@ -14,6 +14,7 @@ import torch
 
 from specmesh.drafters.base import Drafter, DraftSession
 from specmesh.metrics import Counter, Gauge, Histogram, Registry, start_exporter
+from specmesh.planner import Acceptance, Costs
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -35,6 +36,21 @@ class DrafterMetrics:
         self.tree_size = r.add(Histogram(PREFIX + "tree_size", "Nodes per drafted tree.", TREE_BUCKETS))
         self.draft_time = r.add(Histogram(PREFIX + "draft_seconds", "Time to draft one tree (trees drafted together share the time).", DRAFT_BUCKETS_S))
         r.add(Gauge(PREFIX + "sessions", "Sessions held by the service.", sessions))
+
+    def watch_planner(self, costs: Costs, recent: Acceptance) -> None:
+        """Export what the planner weighs: the costs this process measured and the acceptance of
+        its recent sessions (per depth and sibling rank, where tried)."""
+        r = self.registry
+        terms = {"level": 0, "row": 1, "call": 2}
+        r.add(Gauge(PREFIX + "draft_cost_seconds", "Fitted draft call cost: seconds per level, per row fed, per call.",
+                    lambda: {(k,): costs.draft.coef[i] for k, i in terms.items()}, ("term",)))
+        r.add(Gauge(PREFIX + "verify_cost_seconds", "Fitted target verification cost reported by verifiers: base and per row.",
+                    lambda: {("base",): costs.verify.coef[0], ("row",): costs.verify.coef[1]}, ("term",)))
+        r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
+                    lambda: costs.link_s))
+        r.add(Gauge(PREFIX + "acceptance", "Recent sessions' acceptance given the parent accepted and elder siblings not.",
+                    lambda: {(str(d + 1), str(k)): recent.rate(d + 1, k) for d in range(len(recent.tried))
+                             for k in range(len(recent.tried[d])) if recent.tried[d][k] > 0}, ("depth", "rank")))
 
     def render(self) -> str:
         return self.registry.render()

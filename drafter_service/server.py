@@ -22,6 +22,8 @@ from drafter_service.servicer import DrafterServicer
 from drafter_service.sessions import SessionStore
 from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
+from specmesh.drafters.predraft import calibrate
+from specmesh.planner import Acceptance, Costs
 from specmesh.tls import add_port
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -50,7 +52,8 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
     if kind == "oracle":
         assert cfg.oracle_reference is not None
         refs = load_references(cfg.oracle_reference, cfg.vocab_size)
-        oracle = OracleDrafter.from_references(refs, float(arg), cfg.vocab_size, cfg.seed, cfg.draft_cost_s)
+        oracle = OracleDrafter.from_references(refs, float(arg), cfg.vocab_size, cfg.seed, cfg.draft_cost_s,
+                                               cfg.draft_row_cost_s)
         return oracle, cfg.vocab_size
     if kind == "model":
         from specmesh.device import parse_dtype, resolve_device
@@ -61,8 +64,24 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
     raise ValueError(f"drafter: {cfg.drafter!r} cannot be served")
 
 
+def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
+    """The drafter's costs by levels and rows, measured now on a short context (`calibrate`), so
+    that the first sessions' plans already price width; feature drafters, which need the target's
+    features to draft at all, are measured by their live sessions only."""
+    costs = Costs()
+    if not drafter.needs_features:
+        context = list(range(1, 1 + min(16, vocab_size or 16)))
+        session = drafter.open(context)
+        try:
+            calibrate(session, len(context), costs)
+        finally:
+            session.close()
+    return costs
+
+
 def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | None,
-                 store: SessionStore) -> tuple[grpc.Server, health.HealthServicer, int]:
+                 store: SessionStore, costs: Costs | None = None,
+                 recent: Acceptance | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
     """A started server (Drafter, health, reflection); returns it, its health servicer and port."""
     options = [("grpc.max_send_message_length", cfg.max_message_bytes),
                ("grpc.max_receive_message_length", cfg.max_message_bytes)]
@@ -71,7 +90,7 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
     workers = cfg.max_streams + 4
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
                          options=options, maximum_concurrent_rpcs=workers)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, store, vocab_size), server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, store, vocab_size, costs, recent), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -88,11 +107,13 @@ def serve(cfg: DrafterServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully. Prints the listening line once serving."""
     drafter, vocab_size = build_drafter(cfg)
     store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s)
+    costs, recent = calibrated_costs(drafter, vocab_size), Acceptance()
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         from drafter_service.metrics import DrafterMetrics, MeteredDrafter, start_exporter
         drafter = MeteredDrafter(drafter, metrics := DrafterMetrics(lambda: len(store)))
+        metrics.watch_planner(costs, recent)
         start_exporter(cfg.host, cfg.metrics_port, metrics.render)
-    server, health_servicer, port = start_server(cfg, drafter, vocab_size, store)
+    server, health_servicer, port = start_server(cfg, drafter, vocab_size, store, costs, recent)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -47,6 +47,7 @@ from specmesh.convert import FEATURE_DIM_KEY, features_from_pb, sampling_from_pb
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import DraftAhead, StepTree
 from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES
+from specmesh.planner import Acceptance, Costs
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,16 @@ class RequestError(ValueError):
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """specmesh.v1.Drafter over a shared SessionStore; see the module docstring for the protocol."""
 
-    def __init__(self, drafter: Drafter, store: SessionStore, vocab_size: int | None) -> None:
-        """`vocab_size`: token ids must be below it; None (ngram) accepts any id >= 0."""
+    def __init__(self, drafter: Drafter, store: SessionStore, vocab_size: int | None,
+                 costs: Costs | None = None, recent: Acceptance | None = None) -> None:
+        """`vocab_size`: token ids must be below it; None (ngram) accepts any id >= 0. `costs`,
+        `recent`: what this process measured (drafting, verifications reported, the link) and the
+        acceptance of its recent sessions, shared by every session's planner."""
         self.drafter = drafter
         self.store = store
         self.vocab_size = vocab_size
+        self.costs = costs if costs is not None else Costs()
+        self.recent = recent if recent is not None else Acceptance()
         self.feature_dim = drafter.feature_dim if drafter.needs_features else 0
 
     def Draft(self, request_iterator: Iterator[drafter_pb2.DrafterRequest],
@@ -119,7 +125,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_tokens("accepted", c.accepted)
                 self._check_tokens("bonus", [c.bonus])
                 step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth,
-                                      self._features(c.features, len(c.accepted) + 1), c.took_predraft, arrived)
+                                      self._features(c.features, len(c.accepted) + 1), c.took_predraft, arrived,
+                                      c.verify_s)
                 if c.took_predraft:
                     return None, session  # the verifier holds that tree already
             elif kind == "extend":
@@ -149,7 +156,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         context = list(o.context)
         features = self._features(o.features, len(context) - 1)
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
-                             push=o.pipelined and o.push_predrafts)
+                             push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
+                             fixed=o.fixed_shape)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:
@@ -178,7 +186,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             log.exception("session %r: predraft failed", sid)
             return [self._fail(sid, f"internal: predraft failed: {type(exc).__name__}: {exc}")], False
         out = [drafter_pb2.DraftResponse(session_id=sid, step=p.step, position=p.position, tree=tree_to_pb(p.tree),
-                                         ahead=drafter_pb2.Ahead(accepted=p.accepted))
+                                         ahead=drafter_pb2.Ahead(accepted=p.accepted, depth=p.depth))
                for p in session.take_fresh()] if session.push else []
         return out, more
 

@@ -37,10 +37,13 @@ MAX_DEPTH = 16
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation shape: `budget` draft nodes per step, at most `depth` deep (chain: equal)."""
+    """Speculation shape: `budget` draft nodes per step, at most `depth` deep (chain: equal). A
+    remote drafter's planner (`specmesh.planner`) picks each step's shape within them; `fixed`:
+    exactly this shape (the in-process engine always drafts it)."""
 
     budget: int = 8
     depth: int = 4
+    fixed: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.budget <= MAX_TREE_NODES:
@@ -199,9 +202,9 @@ class TreeSource(Protocol):
         """The tree for the next step (at most `budget` nodes wanted); empty = no speculation."""
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
-                  features: torch.Tensor | None = None) -> None:
+                  features: torch.Tensor | None = None, verify_s: float = 0.0) -> None:
         """The outcome of verifying `tree` (with the target features pairing with `new_tokens` when
-        the target session keeps them)."""
+        the target session keeps them), and how long the verification's forward took."""
 
 
 class LocalDrafts:
@@ -215,7 +218,7 @@ class LocalDrafts:
         return self.session.draft(min(budget, self.spec.budget), self.spec.depth, self.params, self.generator)
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
-                  features: torch.Tensor | None = None) -> None:
+                  features: torch.Tensor | None = None, verify_s: float = 0.0) -> None:
         self.session.commit(new_tokens, features)
 
 
@@ -252,12 +255,13 @@ def run_turn(
         # 2. verify and commit
         t = time.perf_counter()
         verdict, new = target.step(tree, params, generator)
-        st.verify_s += time.perf_counter() - t
+        verify_s = time.perf_counter() - t
+        st.verify_s += verify_s
         st.steps += 1
         st.drafted_tokens += len(tree)
         st.accepted_tokens += len(verdict.accepted)
         if source is not None:
-            source.committed(tree, verdict, new, target.new_features(len(new)))
+            source.committed(tree, verdict, new, target.new_features(len(new)), verify_s)
         # 3. stop conditions
         before = len(out)
         out.extend(new)

@@ -60,15 +60,20 @@ class Counter(_Metric):
 
 
 class Gauge(_Metric):
-    """A value read at scrape time from `read()`."""
+    """A value read at scrape time from `read()`; with `labels`, `read()` returns label values ->
+    value for every series."""
     kind = "gauge"
 
-    def __init__(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        super().__init__(name, help_text)
+    def __init__(self, name: str, help_text: str, read: Callable[[], float] | Callable[[], dict],
+                 labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help_text, labels)
         self.read = read
 
     def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_num(self.read())}"]
+        if not self.label_names:
+            return self.header() + [f"{self.name} {_num(self.read())}"]
+        return self.header() + [f"{self.name}{_labels(self.label_names, k)} {_num(v)}"
+                                for k, v in sorted(self.read().items())]
 
 
 class Histogram(_Metric):

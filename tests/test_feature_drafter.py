@@ -13,6 +13,7 @@ from specmesh.distill import feature, train
 from specmesh.drafters.feature import FeatureDrafter
 from specmesh.drafters.predraft import DraftAhead
 from specmesh.engine import SpecConfig, StopConditions, TargetSession, generate
+from specmesh.planner import Costs, LinearCost
 from specmesh.runtime import load_model_drafter
 from specmesh.sampling import SamplingParams, make_generator
 from tests.tiny_models import tiny_distillation_setup
@@ -98,7 +99,8 @@ def test_drafting_ahead_with_predicted_features_then_the_verifiers(trained):
     drafter = load_model_drafter(str(out))
     prompt = examples[2]["tokens"][:8].tolist()
     t, session = _session_at(drafter, target, prompt)
-    ahead = DraftAhead(session, len(prompt), SamplingParams(), pipelined=True, paced=False)
+    eager = Costs(draft=LinearCost((1e-6, 1e-7, 0.0)), verify=LinearCost((1.0, 0.0)))  # predraft everything
+    ahead = DraftAhead(session, len(prompt), SamplingParams(), pipelined=True, costs=eager, fixed=True)
     sent = ahead.first(4, 4)
     hits = 0
     params, gen = SamplingParams(), make_generator(SamplingParams())

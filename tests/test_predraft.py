@@ -23,11 +23,18 @@ from specmesh.drafters.predraft import (
     trim_nodes,
     useful_depth,
 )
+from specmesh.planner import MAX_OUTCOMES, Acceptance, Costs, LinearCost
 from specmesh.sampling import SamplingParams, make_generator, sample_token, verify_sampling
 from specmesh.tree import ROOT, DraftTree, children_of, depths, validate_tree
 
 GREEDY = SamplingParams()
 SAMPLE = SamplingParams(temperature=1.0, seed=3)
+
+
+def eager() -> Costs:
+    """Costs under which predrafting every outcome is worth it: drafting nearly free (what the
+    tests' drafters measure stays far below), verification slow (never reported here)."""
+    return Costs(draft=LinearCost((1e-6, 1e-7, 0.0)), verify=LinearCost((1.0, 0.0)))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -179,14 +186,14 @@ def _units(ahead: DraftAhead) -> int:
 
 def test_draft_ahead_hit_and_miss_ngram() -> None:
     ctx = list(CONTEXT)
-    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True, paced=False)
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True, costs=eager(), fixed=True)
     first = ahead.first(8, 4)
     assert (first.step, first.position, first.predrafted) == (0, len(ctx), False)
     assert first.tree == _fresh(ctx, 8, 4)
     h = [first.tree.tokens[i] for i in main_path(first.tree)]
 
     # hit: the main path accepted whole, the bonus is the predraft's first root child
-    assert _units(ahead) == min(predraft.PREDRAFT_MAX_OUTCOMES, len(h) + 1) and not ahead.predraft()  # the likeliest outcomes, once
+    assert _units(ahead) == min(MAX_OUTCOMES, len(h) + 1) and not ahead.predraft()  # every outcome, once
     b, d, w = predraft_shape(8, 4)
     p = NgramDrafter().open(ctx + h).draft(b, d, GREEDY, make_generator(GREEDY), (), w)
     bonus = p.tokens[0]
@@ -249,56 +256,56 @@ class _Counting(ContextSession):
         return grow_tree(expand, budget, depth, exclude_root, branches)
 
 
-def test_predrafts_are_the_likeliest_outcomes_deepest_first() -> None:
+def test_predrafts_are_done_deepest_first() -> None:
     rec = _Recording(_Counting(list(range(14))))
-    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True, paced=False, max_outcomes=4)
+    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True, costs=eager(), fixed=True)
     st = ahead.first(4, 4)
     h = [st.tree.tokens[i] for i in main_path(st.tree)]
     assert len(h) == 4
-    # prior: all accepted, then 0, 1, 2 tokens accepted; done deepest first, each rooted after
-    # the accepted tokens and excluding what the tree proposed there
-    assert _units(ahead) == 4
-    assert rec.drafted_at[1:] == [(18, ()), (16, (h[2],)), (15, (h[1],)), (14, (h[0],))]
-    # after outcomes "3 accepted" the history ranks 3 above 0, 1 and 2
-    for step in range(3):
-        h = [st.tree.tokens[i] for i in main_path(st.tree)]
-        st = ahead.commit(step, h[:3], 7, 4, 4)  # 7: not what the predraft proposes there
-        assert not st.predrafted and len(st.tree) == 4
-        if step < 2:
-            _units(ahead)
-    rec.drafted_at.clear()
-    assert _units(ahead) == 4
-    assert [at for at, _ in rec.drafted_at] == [st.position + k for k in (4, 3, 1, 0)]
+    # every outcome, deepest first, each rooted after the accepted tokens and excluding what the
+    # tree proposed there
+    assert _units(ahead) == 5
+    assert rec.drafted_at[1:] == [(18, ()), (17, (h[3],)), (16, (h[2],)), (15, (h[1],)), (14, (h[0],))]
 
 
-def test_paced_predrafts_stop_when_the_commit_is_due() -> None:
-    rec = _Recording(_Counting(list(range(14))), delay_s=0.02)
-    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True)
+def _commit_all(ahead: DraftAhead, steps: int, verify_s: float) -> None:
+    """Commits at once of the whole main path with a bonus no predraft proposes (99), each
+    reporting a verification of `verify_s`; predrafting whatever is planned in between."""
     st = ahead.first(4, 4)
-    h = [st.tree.tokens[i] for i in main_path(st.tree)]
-    ahead.commit(0, h, 99, 4, 4)  # at once: commits come far sooner than a predraft takes
-    assert ahead.predraft(), "the first predraft always runs"
-    assert not ahead.predraft() and not ahead.wants_predraft
+    for step in range(steps):
+        while ahead.predraft():
+            pass
+        h = [st.tree.tokens[i] for i in main_path(st.tree)]
+        st = ahead.commit(step, h, 99, 4, 4, verify_s=verify_s)
 
 
-def test_paced_predrafts_measure_the_window_to_the_commits_arrival() -> None:
+def test_a_drafter_slower_than_the_verification_does_not_predraft() -> None:
+    """Pipelining only where it is predicted to win: a predraft taking longer than the step it
+    overlaps would only delay the misses, so once the costs are measured none is planned."""
+    slow = DraftAhead(_Recording(_Counting(list(range(14))), delay_s=0.03), 14, GREEDY, pipelined=True)
+    _commit_all(slow, 4, verify_s=0.001)
+    assert slow.plan is not None and slow.plan.outcomes == () and not slow.wants_predraft
+    fast = DraftAhead(_Recording(_Counting(list(range(14))), delay_s=0.001), 14, GREEDY, pipelined=True)
+    _commit_all(fast, 4, verify_s=0.2)
+    assert fast.plan.outcomes and fast.wants_predraft
+
+
+def test_the_link_is_measured_to_the_commits_arrival() -> None:
     """A commit that waited for a predraft in progress arrived sooner than it is handled: the
-    window to the next commit is measured to its arrival, so the plan does not grow with the
-    wait (a slow drafter would otherwise plan ever more outcomes and delay every miss)."""
+    window is measured to its arrival, less the verification the verifier reports."""
     import time
 
-    rec = _Recording(_Counting(list(range(14))), delay_s=0.1)
-    ahead = DraftAhead(rec, 14, GREEDY, pipelined=True)
+    ahead = DraftAhead(_Recording(_Counting(list(range(14))), delay_s=0.05), 14, GREEDY, pipelined=True,
+                       costs=eager(), fixed=True)
     st = ahead.first(4, 4)
-    for step in range(3):
-        arrived = time.perf_counter() + 0.01  # the verifier commits 10 ms after the tree is sent
+    for step in range(6):
+        arrived = time.perf_counter() + 0.03  # the commit comes 30 ms after the tree, 10 ms of it verifying
         while ahead.predraft():  # the drafter busy meanwhile: the commit waits in the queue
             pass
         h = [st.tree.tokens[i] for i in main_path(st.tree)]
-        st = ahead.commit(step, h, 99, 4, 4, arrived_at=arrived)
-    rec.drafted_at.clear()
-    _units(ahead)
-    assert len(rec.drafted_at) == 1, "10 ms between a tree and its commit: one 100 ms predraft at most"
+        st = ahead.commit(step, h, 99, 4, 4, arrived_at=arrived, verify_s=0.01)
+    assert 0.012 < ahead.costs.link_s < 0.025, ahead.costs.link_s
+    assert ahead.costs.verify(1.0, 5.0) == pytest.approx(0.01, rel=0.05)
 
 
 def test_draft_ahead_errors() -> None:
@@ -337,7 +344,7 @@ def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
 
     ctx = [3, 14, 15, 9, 26, 5]
     b, d, w = predraft_shape(8, 4)
-    ahead = DraftAhead(drafter.open(ctx), len(ctx), GREEDY, pipelined=True, paced=False)
+    ahead = DraftAhead(drafter.open(ctx), len(ctx), GREEDY, pipelined=True, costs=eager(), fixed=True)
     st = ahead.first(8, 4)
     hits = 0
     for step in range(9):
@@ -465,31 +472,43 @@ def test_oracle_draft_many_costs_one_level_per_level() -> None:
     assert 0.2 <= elapsed < 0.4, f"4 levels at 0.05 s each, whatever the number of trees: {elapsed:.3f} s"
 
 
+def test_oracle_row_cost_makes_a_wider_level_cost_more() -> None:
+    """The CPU-like cost model: each row of a level adds `draft_row_cost_s` to that level's sleep."""
+    import time
+
+    from specmesh.drafters import OracleDrafter
+
+    ref = list(range(100, 140))
+    oracle = OracleDrafter(ref, alpha=1.0, vocab_size=200, draft_cost_s=0.01, draft_row_cost_s=0.02)
+    session = oracle.open(ref[:20])
+    t = time.perf_counter()
+    session.draft_many([20, 17, 15], 4, 4, GREEDY, make_generator(GREEDY), [(), (), ()])  # 3 chains: 3 rows a level
+    elapsed = time.perf_counter() - t
+    assert 4 * (0.01 + 3 * 0.02) <= elapsed < 4 * (0.01 + 3 * 0.02) + 0.15, f"{elapsed:.3f} s"
+
+
 def test_draft_ahead_predrafts_every_outcome_in_one_unit_with_draft_many() -> None:
     pools = _Pools(0)
-    ahead = DraftAhead(_MarkovManySession([0, 1, 2], pools), 3, GREEDY, pipelined=True, paced=False)
+    ahead = DraftAhead(_MarkovManySession([0, 1, 2], pools), 3, GREEDY, pipelined=True, costs=eager(), fixed=True)
     st = ahead.first(4, 4)
     h = [st.tree.tokens[i] for i in main_path(st.tree)]
     assert _units(ahead) == 1 and ahead.predrafts == len(h) + 1
     # a hit on a partial outcome: the session held the whole main path and rolls back to it
-    pred = ahead._predrafts[tuple(h[:1])]
+    pred = ahead._predrafts[tuple(h[:1])].tree
     bonus = next(pred.tokens[c] for c in children_of(pred)[ROOT] if children_of(pred)[c])
     hit = ahead.commit(0, h[:1], bonus, 4, 4)
     assert hit.predrafted and ahead.session.context == [0, 1, 2, h[0], bonus]
-    # paced: commits that come at once do not cut the batch, one unit of work whatever it holds
-    paced = DraftAhead(_MarkovManySession([0, 1, 2], pools), 3, GREEDY, pipelined=True)
-    st = paced.first(4, 4)
-    for step in range(3):
-        assert _units(paced) == 1 and len(paced.take_fresh()) == len(main_path(st.tree)) + 1
-        h = [st.tree.tokens[i] for i in main_path(st.tree)]
-        st = paced.commit(step, h, 0, 4, 4)
+    for step in range(1, 4):  # each step: one unit of work for every outcome
+        assert _units(ahead) == 1 and len(ahead.take_fresh()) == len(main_path(hit.tree)) + 1
+        h = [hit.tree.tokens[i] for i in main_path(hit.tree)]
+        hit = ahead.commit(step, h, 0, 4, 4)
 
 
 def test_fresh_predrafts_and_a_commit_that_took_one() -> None:
     """take_fresh hands out each predraft once, as made; commit(took=True) goes on from the tree
     the verifier picked from it, and refuses an outcome it has no such tree for."""
     ctx = list(CONTEXT)
-    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True, paced=False, push=True)
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=True, push=True, costs=eager(), fixed=True)
     st = ahead.first(8, 4)
     h = [st.tree.tokens[i] for i in main_path(st.tree)]
     _units(ahead)
@@ -599,8 +618,9 @@ def _run(trials: int, seed: int, session=_MarkovSession) -> tuple[np.ndarray, np
     pools = _Pools(seed)
     counts = np.zeros((V,) * 3, dtype=np.int64)
     after_hit = np.zeros((V, V), dtype=np.int64)
+    recent = Acceptance()  # shared: each trial's plan follows the earlier trials' outcomes
     for _ in range(trials):
-        ahead = DraftAhead(session([0], pools), 1, SAMPLE, pipelined=True, paced=False)
+        ahead = DraftAhead(session([0], pools), 1, SAMPLE, pipelined=True, costs=eager(), recent=recent)
         st, out = ahead.first(2, 1), []
         for step in range(2):
             while ahead.predraft():  # both outcomes: the main path accepted, or nothing

@@ -24,11 +24,11 @@ class VerifierConfig:
     device: str = "auto"               # auto (cuda when available) | cpu | cuda (rank r on cuda:r)
     dtype: str = "float32"             # weights and KV cache: float32 | bfloat16 | float16 (specmesh.device)
     drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
-    budget: int = 8                    # default draft nodes per step
-    depth: int = 4                     # default tree depth
+    budget: int = 8                    # default cap on draft nodes per step (the drafter's planner picks within)
+    depth: int = 4                     # default cap on tree depth
     pipelined: bool = True             # ask drafters to predraft the next step
     batching: str = "auto"             # TP=1: sessions share forwards (specmesh.batching): on | off | auto
-    draft_deadline_s: float = 1.0      # wait at most this long for a tree, then verify without one
+    draft_deadline_s: float = 1.0      # cap on the wait for a tree (derived from the drafter's measured answers)
     reconnect_s: float = 2.0           # retry a failed drafter after this long
     max_sessions: int = 64             # sessions whose KV cache is kept (LRU beyond)
     max_context_tokens: int = 8192     # history + new tokens of a turn
@@ -68,13 +68,16 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--dtype", choices=tuple(DTYPES), default=env("SPECMESH_DTYPE", d.dtype),
                    help="weights and KV cache (float32 keeps greedy output bitwise the target's; see specmesh.device)")
     p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
-    p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)))
-    p.add_argument("--depth", type=int, default=int(env("SPECMESH_DEPTH", d.depth)))
+    p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)),
+                   help="cap on draft nodes per step; the drafter's planner picks each step's shape within the caps")
+    p.add_argument("--depth", type=int, default=int(env("SPECMESH_DEPTH", d.depth)), help="cap on tree depth")
     p.add_argument("--no-pipelining", dest="pipelined", action="store_false")
     p.add_argument("--batching", choices=("auto", "on", "off"), default=env("SPECMESH_BATCHING", d.batching),
                    help="--tp 1: concurrent sessions share forwards (auto: on with --threads > 1; with one "
                         "thread, concurrent per-session forwards use the other cores instead, measured faster)")
-    p.add_argument("--draft-deadline-s", type=float, default=float(env("SPECMESH_DRAFT_DEADLINE_S", d.draft_deadline_s)))
+    p.add_argument("--draft-deadline-s", type=float, default=float(env("SPECMESH_DRAFT_DEADLINE_S", d.draft_deadline_s)),
+                   help="the longest wait for a tree; each step waits what the drafter's measured answer times "
+                        "make likely, within it (a request's own draft_deadline_s is kept as asked)")
     p.add_argument("--reconnect-s", type=float, default=d.reconnect_s)
     p.add_argument("--max-sessions", type=int, default=d.max_sessions)
     p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens)

@@ -36,6 +36,9 @@ from specmesh.v1 import drafter_pb2_grpc
 _DEAD = object()  # wakes waiters of a broken link
 METADATA_WAIT_S = 5.0  # how long a new link waits for the drafter's initial metadata
 MAX_PUSHED = 64  # pushed predrafts kept per session, at most (a drafter cannot fill memory)
+DEADLINE_MARGIN = 3.0  # a derived deadline: this many times the slowest recent wait for a tree ...
+DEADLINE_FLOOR_S = 0.02  # ... plus this (scheduling noise)
+DEADLINE_DECAY = 0.95  # per tree, how fast an old slow wait is forgotten
 
 
 class DrafterLink:
@@ -183,14 +186,28 @@ class LinkPool:
             self._links.clear()
 
 
+def derived_deadline(slowest_s: float | None, cap_s: float) -> float:
+    """How long to wait for a tree: DEADLINE_MARGIN times the slowest recent wait for one that came
+    (decaying), plus DEADLINE_FLOOR_S, at most `cap_s`; `cap_s` until a tree has come."""
+    if slowest_s is None:
+        return cap_s
+    return min(cap_s, DEADLINE_MARGIN * slowest_s + DEADLINE_FLOOR_S)
+
+
 class RemoteDrafts:
     """TreeSource for one session, drafted by a remote drafter. It outlives a turn: the verifier's
     session keeps it, and the next turn `resume`s it with an ExtendSession carrying only the new
-    tokens (the drafter keeps its cache), or opens a fresh one when it cannot."""
+    tokens (the drafter keeps its cache), or opens a fresh one when it cannot.
+
+    `deadline_s`: the longest wait for a tree. With `derive_deadline`, a step waits at most what
+    the drafter's measured answers make likely (`derived_deadline`), within it; a tree that missed
+    its step is dropped, so a too-short wait only costs that step's speculation."""
 
     def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
-                 spec: SpecConfig, pipelined: bool, deadline_s: float) -> None:
+                 spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False) -> None:
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
+        self.derive_deadline = derive_deadline
+        self.slowest_s: float | None = None  # decaying maximum of the waits for trees that came
         self.params, self.pipelined = params, pipelined
         self.target = target  # whose features a feature drafter gets
         self.features = link.feature_dim > 0
@@ -215,10 +232,11 @@ class RemoteDrafts:
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
+                                                  fixed_shape=self.spec.fixed,
                                                   features=self._features(1, len(context) - 1)))
 
     def resume(self, link: DrafterLink | None, target: TargetSession, params: SamplingParams, spec: SpecConfig,
-               pipelined: bool, deadline_s: float) -> bool:
+               pipelined: bool, deadline_s: float, derive_deadline: bool = False) -> bool:
         """Go on for a new turn whose committed tokens are `target.tokens`: send the drafter what it lacks
         (after the longest common prefix) and count the turn's stats afresh. False when the
         session cannot go on (another drafter or settings, a dead link, an error, nothing shared)."""
@@ -239,6 +257,7 @@ class RemoteDrafts:
         self.step += 1  # the drafter answers with the step after the tree it sent last
         self._taken = None
         self.deadline_s, self.timeouts, self.predraft_hits = deadline_s, 0, 0
+        self.derive_deadline = derive_deadline
         self.resumed = True
         return True
 
@@ -249,14 +268,20 @@ class RemoteDrafts:
             tree, self._taken = self._taken, None
             self.predraft_hits += 1
             return tree
-        resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
+        wait = derived_deadline(self.slowest_s, self.deadline_s) if self.derive_deadline else self.deadline_s
+        t = time.monotonic()
+        resp = self.link.wait_tree(self.sid, self.step, wait)
         if resp is not None and resp.error and self.resumed:
             # the drafter no longer holds the session (say, evicted while idle between turns):
             # open it afresh with the whole context, once
             self.link.close_session(self.sid)
             self._open(self.context)
+            t = time.monotonic()
             resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
         self.resumed = False
+        if resp is not None and not resp.error:
+            waited = time.monotonic() - t
+            self.slowest_s = waited if self.slowest_s is None else max(waited, DEADLINE_DECAY * self.slowest_s)
         if resp is None:
             self.timeouts += self.link.alive
             return DraftTree.empty()
@@ -267,14 +292,14 @@ class RemoteDrafts:
         return tree_from_pb(resp.tree)
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
-                  features=None) -> None:
+                  features=None, verify_s: float = 0.0) -> None:
         if self.usable and self.link.alive:
             accepted, bonus = new_tokens[:-1], new_tokens[-1]
             self._taken = self._from_pushed(accepted, bonus) if self.pipelined else None
             self.link.commit(self.sid, pb.CommitStep(step=self.step, accepted=accepted, bonus=bonus,
                                                      budget=self.spec.budget, depth=self.spec.depth,
                                                      features=features_to_pb(features) if self.features else b"",
-                                                     took_predraft=self._taken is not None))
+                                                     took_predraft=self._taken is not None, verify_s=verify_s))
             self.context.extend(new_tokens)
         self.step += 1
 
@@ -290,7 +315,8 @@ class RemoteDrafts:
                           need_q=not self.params.greedy)
         except (InvalidTreeError, ValueError):
             return None
-        return next_tree_from(predraft, bonus, self.spec.budget, self.spec.depth, self.params)
+        depth = min(self.spec.depth, resp.ahead.depth or self.spec.depth)  # as planned by the drafter
+        return next_tree_from(predraft, bonus, self.spec.budget, depth, self.params)
 
     def close(self) -> None:
         self.link.close_session(self.sid)

@@ -56,7 +56,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         o = req.speculation
         spec = None
         if not o.disabled:
-            spec = SpecConfig(o.budget or cfg.budget, o.depth or cfg.depth)
+            spec = SpecConfig(o.budget or cfg.budget, o.depth or cfg.depth, o.fixed)
             if not 1 <= spec.budget <= MAX_TREE_NODES:
                 raise ValueError(f"speculation.budget: must be in [1, {MAX_TREE_NODES}], got {spec.budget}")
             if not 1 <= spec.depth <= MAX_DEPTH:
@@ -67,7 +67,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             session_id=req.session_id, new_ids=new_ids, params=params, stop=stop,
             drafter=req.drafter_address or cfg.drafter, spec=spec,
             # a seeded request must not depend on timing: whether a predraft hits does, so it drafts in turn
-            pipelined=cfg.pipelined and not o.no_pipelining and params.seed is None, deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,
+            pipelined=cfg.pipelined and not o.no_pipelining and params.seed is None,
+            # an explicit deadline is kept as asked; else the configured one caps a derived one
+            deadline_s=o.draft_deadline_s or cfg.draft_deadline_s, derive_deadline=not o.draft_deadline_s,
             history=list(req.history.ids) if req.HasField("history") else None,
         )
 

@@ -28,8 +28,9 @@ class Turn:
     drafter: str                     # host:port or ""
     spec: SpecConfig | None          # None = no speculation
     pipelined: bool
-    deadline_s: float
+    deadline_s: float                # the longest wait for a tree
     history: list[int] | None = None  # full history to rebuild from (failover)
+    derive_deadline: bool = False    # wait only as long as the drafter's measured answers make likely
 
 
 @dataclass
@@ -123,7 +124,8 @@ class Verifier:
         turn runs without speculation."""
         link = self._link(turn)
         held = session.drafts
-        if held is not None and held.resume(link, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s):
+        if held is not None and held.resume(link, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
+                                              turn.derive_deadline):
             return held
         if held is not None:
             held.close()
@@ -131,7 +133,7 @@ class Verifier:
         if dim and (target.features is None or dim != self.model.config.hidden_size):
             link = None
         session.drafts = None if link is None else RemoteDrafts(
-            link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s)
+            link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,

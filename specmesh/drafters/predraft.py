@@ -13,14 +13,16 @@ When the commit arrives with accepted == H[:k] and a bonus b that is the token o
 of P_k with children, the answer is `subtree(P_k, c)` trimmed to the requested shape, at once;
 otherwise the session rolls back to n, takes the committed tokens and drafts afresh.
 
-Which outcomes, in which order: this session's history of outcomes (how many tokens of the main
-path were accepted, with a prior) ranks them; the likeliest are predrafted, as many as fit before
-the commit is expected (the time from sending a tree to its commit and the time of one predraft
-are measured as the session goes: `paced`). A drafter that grows trees rooted at several points
-of its context together (`draft_many`: model drafters, the oracle) predrafts all of them in one
-`predraft()` call, in the forwards of one (a level costs one forward whatever its width on an
-accelerator); the others predraft one per call, deepest first (each further one only rolls the
-session back, which every drafter can do). The first call always runs.
+Which shapes, which outcomes and how many bonus candidates: `specmesh.planner.plan`, over what
+this process has measured (`Costs`: its drafter's calls by levels and rows, the target's
+verifications by rows as the verifier reports them, the link) and the session's acceptance per
+depth and sibling rank (`Acceptance`, started from the drafter's recent sessions). Each tree sent
+gets a plan: the next step's shape (within the caps the verifier sends), and the outcomes of this
+tree to predraft, or none when pipelining is not predicted to win. A drafter that grows trees
+rooted at several points of its context together (`draft_many`: model drafters, the oracle)
+predrafts all of them in one `predraft()` call, and the planner prices that call by its levels and
+rows (a wider level costs what the drafter measured it to cost); the others predraft one per
+call, deepest first (each further one only rolls the session back, which every drafter can do).
 
 Why re-rooting is lossless under sampling: every node's children in P are i.i.d. draws from the
 q it reports, and how many children a node gets is decided before they are drawn (grow_tree);
@@ -51,14 +53,17 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.drafters.base import DraftSession, common_prefix
+from specmesh import planner
+from specmesh.drafters.base import DraftSession
+from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Costs, Plan, predraft_shape
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, depths
 
-PREDRAFT_MAX_BUDGET = 64
-PREDRAFT_BRANCHES = 2  # bonus candidates with a tree under them, per predraft
-PREDRAFT_MAX_OUTCOMES = 8  # predrafts per tree sent, at most
-MAX_DEPTH = 16  # outcome history buckets (deeper outcomes share the last)
+__all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "SessionClosedError", "main_path",
+           "subtree", "trim", "trim_nodes", "predraft_shape", "pick_predrafted", "useful_depth", "next_tree_from",
+           "draft_generator", "calibrate"]
+PRIOR_OBSERVATIONS = 32.0  # what the drafter's recent sessions weigh in a new session's acceptance
+RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
 
 
 def main_path(tree: DraftTree) -> list[int]:
@@ -138,14 +143,6 @@ def _with_q(tree: DraftTree, tokens: list[int], parents: list[int], new_index: d
     return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)
 
 
-def predraft_shape(budget: int, depth: int) -> tuple[int, int, int]:
-    """Shape of a predraft, (budget, depth, branches) for `grow_tree`: PREDRAFT_BRANCHES candidates
-    for the bonus token, each with a tree of the asked shape under it (smaller where the budget
-    would pass PREDRAFT_MAX_BUDGET), one level deeper than asked."""
-    sub = min(budget, PREDRAFT_MAX_BUDGET // PREDRAFT_BRANCHES - 1)
-    return PREDRAFT_BRANCHES * (sub + 1), depth + 1, PREDRAFT_BRANCHES
-
-
 def pick_predrafted(predraft: DraftTree, bonus: int, budget: int, depth: int, min_depth: int = 1) -> DraftTree | None:
     """The tree under the first root child of `predraft` with token `bonus` that has children,
     trimmed to the requested shape; None when there is none, or when it is less than `min_depth`
@@ -170,7 +167,8 @@ def useful_depth(depth: int, params: SamplingParams) -> int:
 
 def next_tree_from(predraft: DraftTree, bonus: int, budget: int, depth: int, params: SamplingParams) -> DraftTree | None:
     """The tree for the next step that `predraft` gives once `bonus` is known, or None: the one
-    rule the drafter and a verifier taking a pushed predraft both apply, so they pick the same tree."""
+    rule the drafter and a verifier taking a pushed predraft both apply, so they pick the same tree.
+    `depth`: the depth planned for that tree (within the caps; a pushed predraft says it)."""
     return pick_predrafted(predraft, bonus, budget, depth, useful_depth(depth, params))
 
 
@@ -188,12 +186,14 @@ def draft_generator(params: SamplingParams) -> torch.Generator:
 @dataclass(frozen=True)
 class Predraft:
     """A predraft as made: for the outcome "`accepted` accepted" of the tree of `step` (a prefix
-    of its main path), rooted after `position` tokens; its root's children are bonus candidates."""
+    of its main path), rooted after `position` tokens; its root's children are bonus candidates,
+    under each a tree planned `depth` deep."""
 
     step: int
     accepted: list[int]
     position: int
     tree: DraftTree
+    depth: int
 
 
 @dataclass(frozen=True)
@@ -213,67 +213,68 @@ class SessionClosedError(ValueError):
 class DraftAhead:
     """One served session: open -> first(); then commit()/extend() -> the next tree; predraft()
     in between when pipelined, until it returns False. Steps count the trees sent: 0, 1, 2, ...
-    `paced`: stop predrafting when the next predraft would likely end after the commit arrives
-    (a drafter busy with it would delay a miss); `max_outcomes`: at most this many per tree;
+    `costs`: what this process measured (shared by its sessions; each call here adds to it);
+    `recent`: the acceptance of the drafter's recent sessions (shared; the prior of this one, and
+    fed by it); `fixed`: trees of exactly the requested shape (only the predrafts are planned);
     `push`: the service sends predrafts as they are made (`take_fresh`), kept here for it."""
 
     def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
-                 paced: bool = True, max_outcomes: int = PREDRAFT_MAX_OUTCOMES, push: bool = False) -> None:
+                 push: bool = False, costs: Costs | None = None, recent: Acceptance | None = None,
+                 fixed: bool = False) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
         self.session = session
         self.params = params
         self.pipelined = pipelined
         self.push = push  # the service pushes its predrafts (take_fresh); only kept here
-        self.paced = paced
-        self.max_outcomes = max_outcomes
+        self.fixed = fixed
+        self.costs = costs if costs is not None else Costs()
+        self.recent = recent
+        self.acceptance = recent.scaled(PRIOR_OBSERVATIONS) if recent is not None else Acceptance()
         self.generator = draft_generator(params)
         self.position = context_len  # committed tokens (the draft session may hold more: H[:k])
         self.step = -1  # step of the tree last sent
         self.steps = 0
         self.hits = 0
         self.predrafts = 0
+        self.plan: Plan | None = None  # for the step after the tree last sent
         self._lock = threading.Lock()
         self._tree: DraftTree | None = None
-        self._shape = (1, 1)
         self._path: list[int] = []  # H: the main path's tokens of the tree last sent
-        self._predrafts: dict[tuple[int, ...], DraftTree] = {}  # H[:k] -> P_k (never replaced: it may be out)
+        self._predrafts: dict[tuple[int, ...], Predraft] = {}  # H[:k] -> P_k (never replaced: it may be out)
         self._fresh: list[Predraft] = []  # made since the last take_fresh()
-        self._plan: list[int] | None = None  # k of the predrafts still to do (None: not planned yet)
+        self._todo: list[int] = []  # k of the predrafts still to make for the tree last sent
         self._held = 0  # tokens of H the session holds beyond `position`
         self._closed = False
-        # outcome history (with a prior): all of H accepted, or only its first k tokens
-        self._full, self._partial = 1.0, [0.6 * 0.5 ** k for k in range(MAX_DEPTH + 1)]
         self._sent_at = 0.0
-        self._window_s: float | None = None  # sending a tree -> its commit (moving average)
-        self._unit_s: float | None = None  # one unit of predrafting (moving average)
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
             self._check_open()
             assert self._tree is None, "first() is called once, right after opening"
-            return self._send(self._draft(budget, depth), budget, depth, False)
+            return self._send(self._draft_fresh(budget, depth), budget, depth, False)
 
     def commit(self, step: int, accepted: list[int], bonus: int, budget: int, depth: int,
                features: torch.Tensor | None = None, took: bool = False,
-               arrived_at: float | None = None) -> StepTree:
-        """The verifier's outcome of the tree for `step`; returns the tree for step + 1. `features`:
-        the target's for accepted + [bonus] (feature drafters only). `took`: the verifier already
-        took the tree for step + 1 from this outcome's predraft (pushed to it: `take_fresh`); the
-        tree returned is that same one, and a ValueError says that there is none. `arrived_at`:
-        when the commit reached the service (`time.perf_counter()`), for pacing: a commit that
-        waited for a predraft in progress came that much sooner than it is handled."""
+               arrived_at: float | None = None, verify_s: float = 0.0) -> StepTree:
+        """The verifier's outcome of the tree for `step`; returns the tree for step + 1, of at most
+        `budget` nodes and `depth` levels. `features`: the target's for accepted + [bonus] (feature
+        drafters only). `took`: the verifier already took the tree for step + 1 from this outcome's
+        predraft (pushed to it: `take_fresh`); the tree returned is that same one, and a ValueError
+        says that there is none. `arrived_at`: when the commit reached the service
+        (`time.perf_counter()`; a commit that waited for a predraft in progress came that much
+        sooner than it is handled); `verify_s`: the verifier's forward time for that tree (0:
+        not reported). Both are measurements for the planner."""
         with self._lock:
             self._check_open()
             if step != self.step:
                 raise ValueError(f"step: expected {self.step} (the tree last sent), got {step}")
             pred = self._predrafts.get(tuple(accepted))
-            tree = next_tree_from(pred, bonus, budget, depth, self.params) if pred is not None else None
+            tree = (next_tree_from(pred.tree, bonus, budget, min(depth, pred.depth), self.params)
+                    if pred is not None else None)
             if took and tree is None:
                 raise ValueError(f"took_predraft: no predraft of step {step} has a tree for "
                                  f"{len(accepted)} accepted tokens and bonus {bonus}")
-            arrived = time.perf_counter() if arrived_at is None else arrived_at
-            self._window_s = _average(self._window_s, arrived - self._sent_at)
-            self._count_outcome(accepted)
+            self._measure(accepted, time.perf_counter() if arrived_at is None else arrived_at, verify_s)
             if pred is not None and self._held >= len(accepted):
                 # 1. the session holds the accepted path (a feature drafter holds it with
                 # predicted features: the verifier's replace them), and maybe more of the main path
@@ -290,7 +291,7 @@ class DraftAhead:
             if tree is not None:
                 self.hits += 1
                 return self._send(tree, budget, depth, True)
-            return self._send(self._draft(budget, depth), budget, depth, False)
+            return self._send(self._draft_fresh(budget, depth), budget, depth, False)
 
     def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
                features: torch.Tensor | None = None) -> StepTree:
@@ -308,7 +309,7 @@ class DraftAhead:
             self.session.commit(list(tokens), features)
             self.position = keep + len(tokens)
             self._held = 0
-            return self._send(self._draft(budget, depth), budget, depth, False)
+            return self._send(self._draft_fresh(budget, depth), budget, depth, False)
 
     @property
     def _batched(self) -> bool:
@@ -317,45 +318,37 @@ class DraftAhead:
 
     @property
     def wants_predraft(self) -> bool:
-        return (self.pipelined and not self._closed and self._tree is not None
-                and (self._plan is None or bool(self._plan)))
+        return self.pipelined and not self._closed and self._tree is not None and bool(self._todo)
 
     def predraft(self) -> bool:
-        """One unit of predrafting for the tree last sent (one outcome, or every planned outcome at
-        once with `draft_many`); False when there was nothing (more) to do. An empty tree is not
-        predrafted: with nothing to accept, the bonus alone decides."""
+        """One unit of predrafting for the tree last sent (one planned outcome, or every one at
+        once with `draft_many`); False when there was nothing (more) to do."""
         with self._lock:
             if not self.wants_predraft:
                 return False
-            if self._plan is None:
-                self._plan = self._make_plan()
-            if not self._plan:
-                return False
-            if self.paced and self._predrafts and self._window_s is not None and self._unit_s is not None:
-                if time.perf_counter() - self._sent_at + self._unit_s > self._window_s:
-                    self._plan = []  # it would likely end after the commit arrives
-                    return False
-            t = time.perf_counter()
+            assert self.plan is not None
             if self._batched:
-                ks, self._plan = self._plan, []
+                ks, self._todo = self._todo, []
             else:
-                ks = [self._plan.pop(0)]
+                ks = [self._todo.pop(0)]
             if not self._hold(max(ks)):
                 ks = [0]
                 if () in self._predrafts:
                     return False
-            budget, depth, branches = predraft_shape(*self._shape)
+            budget, depth, branches = predraft_shape(self.plan.budget, self.plan.depth, self.plan.branches)
             excludes = [() if k == len(self._path) else self._children_on_path(k) for k in ks]
+            t = time.perf_counter()
             if len(ks) == 1:
                 trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0], branches)]
             else:  # every planned outcome at once: one expansion per level for all of them
                 trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
                                                 self.params, self.generator, excludes, branches)
+            self._add_draft_cost(trees, time.perf_counter() - t)
             for k, tree in zip(ks, trees):
-                self._predrafts[tuple(self._path[:k])] = tree
-                self._fresh.append(Predraft(self.step, self._path[:k], self.position + k, tree))
+                made = Predraft(self.step, self._path[:k], self.position + k, tree, self.plan.depth)
+                self._predrafts[tuple(made.accepted)] = made
+                self._fresh.append(made)
             self.predrafts += len(ks)
-            self._unit_s = _average(self._unit_s, time.perf_counter() - t)
             return True
 
     def _hold(self, k: int) -> bool:
@@ -369,7 +362,7 @@ class DraftAhead:
             try:
                 self.session.commit(self._path[self._held:k])
             except ValueError:
-                self._plan = []
+                self._todo = []
                 self.session.rollback(self.position)
                 self._held = 0
                 return False
@@ -399,29 +392,26 @@ class DraftAhead:
         if self._closed:
             raise SessionClosedError("session_id: the session was closed or evicted")
 
-    def _count_outcome(self, accepted: list[int]) -> None:
-        k = common_prefix(accepted, self._path)
-        if k == len(accepted):  # a prefix of the main path (else a side branch: not predrafted)
-            if k == len(self._path):
-                self._full += 1.0
-            else:
-                self._partial[min(k, MAX_DEPTH)] += 1.0
+    def _measure(self, accepted: list[int], arrived: float, verify_s: float) -> None:
+        """What the commit of the tree last sent tells the planner: which of its nodes were
+        accepted, the verification's cost by rows and the rest of the window (the link)."""
+        assert self._tree is not None
+        nodes = _accepted_nodes(self._tree, accepted)
+        self.acceptance.observe(self._tree.parents, nodes)
+        if self.recent is not None:
+            self.recent.observe(self._tree.parents, nodes)
+            self.recent.decay(RECENT_OBSERVATIONS)
+        if verify_s > 0:
+            self.costs.verify.add((1.0, 1.0 + len(self._tree)), verify_s)
+            self.costs.add_link(arrived - self._sent_at - verify_s)
 
-    def _make_plan(self) -> list[int]:
-        """The likeliest outcomes worth a predraft, deepest first: as many as are expected to fit
-        one after the other, or up to `max_outcomes` for a drafter that drafts them all at once
-        (one unit of work, whose cost barely depends on how many outcomes it holds on an
-        accelerator; the first unit always runs)."""
-        n = len(self._path)
-        if n == 0:
-            return []
-        odds = {k: self._partial[min(k, MAX_DEPTH)] for k in range(n)}
-        odds[n] = self._full
-        fits = self.max_outcomes
-        if self.paced and self._window_s is not None and self._unit_s and not self._batched:
-            fits = min(fits, max(1, int((self._window_s - (time.perf_counter() - self._sent_at)) / self._unit_s)))
-        likeliest = sorted(odds, key=lambda k: -odds[k])[:fits]
-        return sorted(likeliest, reverse=True)
+    def _add_draft_cost(self, trees: list[DraftTree], seconds: float) -> None:
+        levels, rows = planner.draft_work(trees)
+        if levels:
+            self.costs.draft.add((float(levels), float(rows), 1.0), seconds)
+
+    def _plan(self, budget: int, depth: int) -> Plan:
+        return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed)
 
     def _children_on_path(self, k: int) -> list[int]:
         """Tokens of the children the tree last sent has at the k-th node of its main path."""
@@ -429,21 +419,65 @@ class DraftAhead:
         node = ROOT if k == 0 else main_path(self._tree)[k - 1]
         return [self._tree.tokens[c] for c in children_of(self._tree)[node]]
 
-    def _draft(self, budget: int, depth: int) -> DraftTree:
-        return self.session.draft(budget, depth, self.params, self.generator)
+    def _draft_fresh(self, budget: int, depth: int) -> DraftTree:
+        """A tree for the next step drafted now, of the shape planned for it (within the caps)."""
+        p = self._plan(budget, depth)
+        t = time.perf_counter()
+        tree = self.session.draft(p.budget, p.depth, self.params, self.generator)
+        self._add_draft_cost([tree], time.perf_counter() - t)
+        return tree
 
     def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool) -> StepTree:
         self.step += 1
         self.steps += 1
         self._tree = tree
-        self._shape = (budget, depth)
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
         self._fresh = []
-        self._plan = None
+        self.plan = self._plan(budget, depth)
+        self._todo = self._outcomes(self.plan) if self.pipelined and tree.tokens else []
         self._sent_at = time.perf_counter()
         return StepTree(self.step, self.position, tree, predrafted)
 
+    def _outcomes(self, plan: Plan) -> list[int]:
+        """The outcomes of the tree last sent worth a predraft: as many as the plan has, the
+        likeliest under this session's acceptance, deepest first (each further one only rolls
+        the session back)."""
+        if not plan.outcomes:
+            return []
+        assert self._tree is not None
+        odds = planner.outcome_odds(planner.shape_of(self._tree.parents), planner.rates(self.acceptance))
+        likeliest = sorted(odds, key=lambda o: -o[1])[:len(plan.outcomes)]
+        return sorted((k for k, _, _ in likeliest), reverse=True)
 
-def _average(old: float | None, new: float, weight: float = 0.2) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+
+def _accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
+    """The nodes of `tree` along the accepted tokens from the root (the first child with each token:
+    under sampling siblings may repeat a token)."""
+    kids = children_of(tree)
+    out, node = [], ROOT
+    for tok in accepted:
+        node = next((c for c in kids.get(node, []) if tree.tokens[c] == tok), None)
+        if node is None:
+            break
+        out.append(node)
+    return out
+
+
+def calibrate(session: DraftSession, context_len: int, costs: Costs) -> None:
+    """Measure a drafter's cost by levels and rows before the first request: chains, wide trees
+    and, where the session has `draft_many`, trees at several roots at once, each call timed into
+    `costs.draft` as live calls are (so that width is priced from the start). `session`: opened on
+    `context_len` >= 2 tokens the drafter accepts; the caller closes it."""
+    params = SamplingParams()
+    gen = draft_generator(params)
+    for budget, depth in [(4, 4), (16, 2), (8, 4)] * 2:
+        t = time.perf_counter()
+        tree = session.draft(budget, depth, params, gen)
+        costs.draft.add((*map(float, planner.draft_work([tree])), 1.0), time.perf_counter() - t)
+    if hasattr(session, "draft_many"):
+        roots = [context_len - 1, context_len] * 2
+        for _ in range(2):
+            t = time.perf_counter()
+            trees = session.draft_many(roots, 8, 3, params, gen, [()] * len(roots))
+            costs.draft.add((*map(float, planner.draft_work(trees)), 1.0), time.perf_counter() - t)

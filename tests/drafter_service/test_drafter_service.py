@@ -40,6 +40,13 @@ VERIFY_S = 0.05  # simulated verification time: the drafter predrafts meanwhile
 MODEL_VERIFY_S = 0.3
 
 
+def _open(**fields) -> drafter_pb2.OpenSession:
+    """OpenSession of a fixed shape unless said otherwise: these tests check the exact trees the
+    protocol gives (the planner's choices are tested in tests/test_planner.py and below)."""
+    fields.setdefault("fixed_shape", True)
+    return drafter_pb2.OpenSession(**fields)
+
+
 class Service:
     """`python -m drafter_service` on a free port; stopped by `stop()`."""
 
@@ -97,7 +104,7 @@ class Stream:
 
     def open(self, sid: str, context: list[int], budget: int = 8, depth: int = 4, pipelined: bool = True,
              sampling: common_pb2.SamplingParams | None = None) -> None:
-        self.send(sid, open=drafter_pb2.OpenSession(context=context, budget=budget, depth=depth,
+        self.send(sid, open=_open(context=context, budget=budget, depth=depth,
                                                     pipelined=pipelined, sampling=sampling))
 
     def commit(self, sid: str, step: int, accepted: list[int], bonus: int, budget: int = 8, depth: int = 4) -> None:
@@ -183,7 +190,7 @@ def test_health_serving_and_reflection(ngram: Service) -> None:
 def test_ngram_hit_miss_extend_give_the_right_trees(ngram: Service) -> None:
     s = ngram.stream()
     ctx = [1, 2, 3, 4, 5] * 4 + [1, 2]
-    r = s.ask("a", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4, pipelined=True))
+    r = s.ask("a", open=_open(context=ctx, budget=8, depth=4, pipelined=True))
     assert (r.error, r.step, r.position, r.predrafted) == ("", 0, len(ctx), False)
     tree = tree_from_pb(r.tree)
     assert tree == _ngram_fresh(ctx, 8, 4) and len(tree) > 0
@@ -223,7 +230,7 @@ def test_ngram_hit_miss_extend_give_the_right_trees(ngram: Service) -> None:
     s.send("a", close=drafter_pb2.CloseSession())
 
     # 5. keeping more than the session holds is refused, naming the field
-    s.ask("b", open=drafter_pb2.OpenSession(context=[1, 2, 3], budget=4, depth=2))
+    s.ask("b", open=_open(context=[1, 2, 3], budget=4, depth=2))
     r = s.ask("b", extend=drafter_pb2.ExtendSession(tokens=[4], budget=4, depth=2, keep=9))
     assert r.error.startswith("keep: must be in [1, 3]"), r.error
     s.commit("a", 3, [], 1)
@@ -273,19 +280,19 @@ def test_eight_sessions_interleaved_on_one_stream(ngram: Service) -> None:
 def test_bad_requests_get_an_error_naming_the_field(ngram: Service) -> None:
     s = ngram.stream()
     ctx = _context(1)
-    assert s.ask("ok", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    assert s.ask("ok", open=_open(context=ctx, budget=8, depth=4)).error == ""
     sampling = common_pb2.SamplingParams
     bad = [
         ("x1", dict(commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=8, depth=4)), "session_id:"),
-        ("", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)), "session_id:"),
-        ("x2", dict(open=drafter_pb2.OpenSession(context=ctx, budget=0, depth=4)), "budget:"),
-        ("x3", dict(open=drafter_pb2.OpenSession(context=ctx, budget=65, depth=4)), "budget:"),
-        ("x4", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=17)), "depth:"),
-        ("x5", dict(open=drafter_pb2.OpenSession(context=[], budget=8, depth=4)), "context:"),
-        ("x6", dict(open=drafter_pb2.OpenSession(context=[1, -3], budget=8, depth=4)), "context:"),
-        ("x7", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4,
+        ("", dict(open=_open(context=ctx, budget=8, depth=4)), "session_id:"),
+        ("x2", dict(open=_open(context=ctx, budget=0, depth=4)), "budget:"),
+        ("x3", dict(open=_open(context=ctx, budget=65, depth=4)), "budget:"),
+        ("x4", dict(open=_open(context=ctx, budget=8, depth=17)), "depth:"),
+        ("x5", dict(open=_open(context=[], budget=8, depth=4)), "context:"),
+        ("x6", dict(open=_open(context=[1, -3], budget=8, depth=4)), "context:"),
+        ("x7", dict(open=_open(context=ctx, budget=8, depth=4,
                                                  sampling=sampling(temperature=-1))), "temperature:"),
-        ("x8", dict(open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4,
+        ("x8", dict(open=_open(context=ctx, budget=8, depth=4,
                                                  sampling=sampling(temperature=1, top_p=1.5))), "top_p:"),
         ("x9", {}, "kind:"),
     ]
@@ -294,7 +301,7 @@ def test_bad_requests_get_an_error_naming_the_field(ngram: Service) -> None:
         assert r.error.startswith(field), (sid, r.error)
         assert not r.HasField("tree") or len(r.tree.tokens) == 0
     # errors inside a live session close it; the others keep working
-    assert s.ask("v", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    assert s.ask("v", open=_open(context=ctx, budget=8, depth=4)).error == ""
     for kind, field in [(dict(step=5, bonus=1, budget=8, depth=4), "step:"),
                         (dict(step=0, accepted=[-1], bonus=1, budget=8, depth=4), "accepted:"),
                         (dict(step=0, bonus=-2, budget=8, depth=4), "bonus:"),
@@ -302,7 +309,7 @@ def test_bad_requests_get_an_error_naming_the_field(ngram: Service) -> None:
         assert s.ask("v", commit=drafter_pb2.CommitStep(**kind)).error.startswith(field)
         assert s.ask("v", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=8, depth=4)).error.startswith(
             "session_id:"), "the session was closed by its error"
-        assert s.ask("v", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+        assert s.ask("v", open=_open(context=ctx, budget=8, depth=4)).error == ""
     r = s.ask("ok", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=ctx[0], budget=8, depth=4))
     assert (r.error, r.step, r.position) == ("", 1, len(ctx) + 1)
     assert tree_from_pb(r.tree) == _ngram_fresh(ctx + [ctx[0]], 8, 4)
@@ -312,7 +319,7 @@ def test_bad_requests_get_an_error_naming_the_field(ngram: Service) -> None:
 def test_sessions_outlive_their_stream(ngram: Service) -> None:
     ctx = _context(7)
     first = ngram.stream()
-    assert first.ask("moved", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4)).error == ""
+    assert first.ask("moved", open=_open(context=ctx, budget=8, depth=4)).error == ""
     first.close()
     second = ngram.stream()
     r = second.ask("moved", commit=drafter_pb2.CommitStep(step=0, bonus=3, budget=4, depth=2))
@@ -368,10 +375,10 @@ def test_lru_eviction_and_idle_timeout(small: Service) -> None:
     s = small.stream()
     ctx = _context(3)
     for sid in ("a", "b"):
-        assert s.ask(sid, open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=2)).error == ""
+        assert s.ask(sid, open=_open(context=ctx, budget=4, depth=2)).error == ""
     # "a" used last, so opening "c" evicts "b"
     assert s.ask("a", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error == ""
-    assert s.ask("c", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=2)).error == ""
+    assert s.ask("c", open=_open(context=ctx, budget=4, depth=2)).error == ""
     assert s.ask("b", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error.startswith("session_id:")
     assert s.ask("a", commit=drafter_pb2.CommitStep(step=1, bonus=1, budget=4, depth=2)).error == ""
     assert s.ask("c", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error == ""
@@ -449,7 +456,7 @@ def test_pushed_predrafts_let_the_verifier_take_the_next_tree(oracle) -> None:
     svc, refs = oracle
     ref, prompt = refs[1], 30
     s = svc.stream()
-    s.send("p", open=drafter_pb2.OpenSession(context=ref[:prompt], budget=4, depth=4, pipelined=True,
+    s.send("p", open=_open(context=ref[:prompt], budget=4, depth=4, pipelined=True,
                                               push_predrafts=True))
     first = s.recv()
     assert first.error == "" and not first.HasField("ahead") and first.step == 0
@@ -496,9 +503,9 @@ def test_pushed_predrafts_let_the_verifier_take_the_next_tree(oracle) -> None:
 def test_oracle_checks_the_vocabulary(oracle) -> None:
     svc, refs = oracle
     s = svc.stream()
-    r = s.ask("v", open=drafter_pb2.OpenSession(context=[1, VOCAB], budget=8, depth=4))
+    r = s.ask("v", open=_open(context=[1, VOCAB], budget=8, depth=4))
     assert r.error.startswith("context:") and str(VOCAB) in r.error
-    assert s.ask("v", open=drafter_pb2.OpenSession(context=refs[0][:10], budget=8, depth=4)).error == ""
+    assert s.ask("v", open=_open(context=refs[0][:10], budget=8, depth=4)).error == ""
     r = s.ask("v", commit=drafter_pb2.CommitStep(step=0, accepted=[VOCAB + 1], bonus=0, budget=8, depth=4))
     assert r.error.startswith("accepted:")
     s.close()
@@ -530,7 +537,7 @@ def test_model_drafter_greedy_and_sampling(model) -> None:
 
     s = svc.stream()
     ctx = [random.Random(0).randrange(256) for _ in range(20)]
-    r = s.ask("m", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4, pipelined=True))
+    r = s.ask("m", open=_open(context=ctx, budget=8, depth=4, pipelined=True))
     hits = 0
     for step in range(6):
         assert (r.error, r.step, r.position) == ("", step, len(ctx))
@@ -549,7 +556,7 @@ def test_model_drafter_greedy_and_sampling(model) -> None:
     assert hits >= 2, "the predraft (5 forwards of a tiny model) should be ready in time"
     # sampling: every tree, predrafted or not, carries an exact q for each expanded node
     sampling = common_pb2.SamplingParams(temperature=0.8, top_k=50, seed=1)
-    r = s.ask("t", open=drafter_pb2.OpenSession(context=ctx, budget=8, depth=4, sampling=sampling, pipelined=True))
+    r = s.ask("t", open=_open(context=ctx, budget=8, depth=4, sampling=sampling, pipelined=True))
     for step in range(6):
         assert r.error == ""
         tree = tree_from_pb(r.tree)
@@ -585,18 +592,18 @@ def test_feature_drafter_announces_its_width_and_checks_features(feature: Servic
     t.close()
     ctx = [1, 504, 3003, 4683, 359, 42]
     # no features, or the wrong number of rows: an error naming the field, the session closed
-    assert s.ask("f0", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4)).error.startswith("features:")
-    r = s.ask("f1", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4, features=_feats(len(ctx))))
+    assert s.ask("f0", open=_open(context=ctx, budget=4, depth=4)).error.startswith("features:")
+    r = s.ask("f1", open=_open(context=ctx, budget=4, depth=4, features=_feats(len(ctx))))
     assert r.error.startswith("features: expected 5 x 576")
     # right: a tree; then a commit and an extend, each with its rows
-    good = s.ask("f2", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4, features=_feats(len(ctx) - 1)))
+    good = s.ask("f2", open=_open(context=ctx, budget=4, depth=4, features=_feats(len(ctx) - 1)))
     assert good.error == "" and len(good.tree.tokens) == 4
     r = s.ask("f2", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=28, budget=4, depth=4, features=_feats(1)))
     assert r.error == "" and r.step == 1
     r = s.ask("f2", extend=drafter_pb2.ExtendSession(tokens=[10062, 28], budget=4, depth=4, features=_feats(2)))
     assert r.error == "" and r.step == 2 and r.position == len(ctx) + 3
     # a bad commit closes that session only
-    r = s.ask("f3", open=drafter_pb2.OpenSession(context=ctx, budget=4, depth=4, features=_feats(len(ctx) - 1)))
+    r = s.ask("f3", open=_open(context=ctx, budget=4, depth=4, features=_feats(len(ctx) - 1)))
     assert s.ask("f3", commit=drafter_pb2.CommitStep(step=0, accepted=[], bonus=28, budget=4, depth=4,
                                                      features=_feats(2))).error.startswith("features:")
     r = s.ask("f2", commit=drafter_pb2.CommitStep(step=2, accepted=[], bonus=30, budget=4, depth=4, features=_feats(1)))
@@ -610,7 +617,7 @@ def test_sigterm_exits_promptly(tmp_path: Path) -> None:
     svc = Service(tmp_path, "--drafter", "ngram", "--grace-s", "1")
     try:
         s = svc.stream()
-        assert s.ask("a", open=drafter_pb2.OpenSession(context=_context(2), budget=8, depth=4)).error == ""
+        assert s.ask("a", open=_open(context=_context(2), budget=8, depth=4)).error == ""
         t = time.monotonic()
         svc.proc.send_signal(signal.SIGTERM)
         assert svc.proc.wait(10) == 0

@@ -1,0 +1,155 @@
+"""Tests for specmesh.planner: the online cost fits, acceptance statistics, expected tokens on a
+tree, and the plans chosen over synthetic cost tables (a GPU-like drafter whose width is free, a
+CPU-like one whose width costs, drafters slower and faster than the verification)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.planner import (
+    MAX_OUTCOMES,
+    Acceptance,
+    Costs,
+    LinearCost,
+    expected_tokens,
+    outcome_odds,
+    plan,
+    rates,
+    shape_of,
+    topology,
+)
+
+
+def _costs(level_s: float, row_s: float, verify_s: float, verify_row_s: float = 0.0, link_s: float = 0.0) -> Costs:
+    """A synthetic cost table: a draft call costs level_s per level + row_s per row fed."""
+    return Costs(draft=LinearCost((level_s, row_s, 0.0)), verify=LinearCost((verify_s, verify_row_s)), link_s=link_s)
+
+
+def _acceptance(alpha: float, side: float = 0.1, n: float = 1000.0) -> Acceptance:
+    """Evidence that rank-0 children are accepted with probability alpha, later ranks `side`."""
+    acc = Acceptance()
+    for d in range(len(acc.tried)):
+        for r in range(len(acc.tried[d])):
+            acc.tried[d][r] = n
+            acc.accepted[d][r] = n * (alpha if r == 0 else side)
+    return acc
+
+
+def test_linear_cost_fits_exact_samples() -> None:
+    fit = LinearCost((1.0, 1.0, 1.0))
+    truth = (0.010, 0.002, 0.003)
+    for levels, rows in [(4, 4), (2, 16), (4, 8), (5, 40), (1, 1), (3, 12)] * 4:
+        fit.add((levels, rows, 1.0), truth[0] * levels + truth[1] * rows + truth[2])
+    assert fit.coef == pytest.approx(truth, rel=1e-2, abs=1e-5)
+
+
+def test_linear_cost_keeps_the_priors_shape_where_data_say_nothing() -> None:
+    """Only one row count seen: the prior's ratio of base to per-row cost stays, at the data's scale."""
+    fit = LinearCost((1.0, 0.1))
+    for _ in range(10):
+        fit.add((1.0, 5.0), 0.030)
+    assert fit(1.0, 5.0) == pytest.approx(0.030, rel=1e-3)
+    assert fit.coef[1] / fit.coef[0] == pytest.approx(0.1, rel=0.05)
+
+
+def test_linear_cost_forgets_old_samples() -> None:
+    fit = LinearCost((1.0, 0.0))
+    for _ in range(50):
+        fit.add((1.0, 1.0), 0.5)
+    for _ in range(200):
+        fit.add((1.0, 1.0), 0.1)
+    assert fit(1.0, 1.0) == pytest.approx(0.1, rel=1e-2)
+
+
+def test_acceptance_counts_the_tried_ranks_along_the_accepted_path() -> None:
+    #      root
+    #     /    \
+    #    0      1
+    #   / \
+    #  2   3
+    parents = [-1, -1, 0, 0]
+    acc = Acceptance()
+    acc.observe(parents, [0, 3])  # rank 0 at depth 1, then rank 1 at depth 2 (rank 0 rejected)
+    assert acc.tried[0][:2] == [1, 0] and acc.accepted[0][:2] == [1, 0]
+    assert acc.tried[1][:2] == [1, 1] and acc.accepted[1][:2] == [0, 1]
+    acc.observe(parents, [])  # nothing accepted: both root children tried
+    assert acc.tried[0][:2] == [2, 1] and acc.accepted[0][:2] == [1, 0]
+
+
+@pytest.mark.parametrize("alpha,depth", [(0.8, 4), (0.5, 3), (0.9, 8)])
+def test_expected_tokens_of_a_chain_is_the_closed_form(alpha: float, depth: int) -> None:
+    e = expected_tokens(topology(depth, depth), rates(_acceptance(alpha, n=1e9)))
+    assert e == pytest.approx((1 - alpha ** (depth + 1)) / (1 - alpha), rel=1e-6)
+
+
+def test_siblings_add_what_their_rank_is_accepted() -> None:
+    # root with two children (ranks 0, 1): E = 1 + a0 + (1 - a0) a1
+    e = expected_tokens(shape_of([-1, -1]), rates(_acceptance(0.6, side=0.3, n=1e9)))
+    assert e == pytest.approx(1 + 0.6 + 0.4 * 0.3, rel=1e-6)
+
+
+def test_outcome_odds_rank_the_observed_outcome_first() -> None:
+    t = topology(4, 4)
+    acc = Acceptance()
+    for _ in range(40):  # the first two tokens accepted, the third rejected, again and again
+        acc.observe(list(t.parents), [0, 1])
+    odds = outcome_odds(t, rates(acc))
+    assert [k for k, _, _ in odds] == [0, 1, 2, 3, 4]
+    assert max(odds, key=lambda o: o[1])[0] == 2
+    assert sum(p for _, p, _ in odds) <= 1.0 + 1e-9
+
+
+def test_plans_stay_within_the_caps_and_fixed_keeps_them() -> None:
+    costs, acc = _costs(0.001, 0.0, 0.05), _acceptance(0.95)
+    for b, d in [(8, 4), (3, 3), (16, 2), (1, 1)]:
+        p = plan(costs, acc, b, d, pipelined=True, batched=True)
+        assert 1 <= p.depth <= d and p.depth <= p.budget <= b
+        f = plan(costs, acc, b, d, pipelined=True, batched=True, fixed=True)
+        assert (f.budget, f.depth) == (b, d)
+
+
+def test_high_acceptance_drafts_deeper_than_low() -> None:
+    costs = _costs(0.01, 0.0005, 0.05)
+    deep = plan(costs, _acceptance(0.9), 16, 8, pipelined=False, batched=True)
+    shallow = plan(costs, _acceptance(0.2), 16, 8, pipelined=False, batched=True)
+    assert deep.depth > shallow.depth
+
+
+def test_width_that_costs_gets_narrower_trees_and_fewer_predrafts() -> None:
+    """The same verifier and acceptance; a level of the drafter costs the same, but on the CPU
+    each row of it costs too: the CPU plan predrafts fewer outcomes with no wider trees."""
+    acc = _acceptance(0.8, side=0.2)
+    gpu = plan(_costs(0.01, 0.0, 0.1), acc, 16, 4, pipelined=True, batched=True)
+    cpu = plan(_costs(0.01, 0.004, 0.1), acc, 16, 4, pipelined=True, batched=True)
+    assert gpu.outcomes and len(gpu.outcomes) == min(MAX_OUTCOMES, 5)
+    assert len(cpu.outcomes) < len(gpu.outcomes)
+    assert cpu.budget <= gpu.budget
+
+
+def test_pipelining_only_where_it_is_predicted_to_win() -> None:
+    acc = _acceptance(0.8)
+    # a drafter whose tree takes far longer than the verification: predrafting would delay misses
+    slow = plan(_costs(0.2, 0.01, 0.01), acc, 8, 4, pipelined=True, batched=True)
+    assert slow.outcomes == ()
+    # a drafter cheaper than the verification: predraft, and the step takes about one verification
+    fast = plan(_costs(0.005, 0.0, 0.1), acc, 8, 4, pipelined=True, batched=True)
+    assert fast.outcomes and fast.step_s < 0.1 + 0.5 * fast.depth * 0.005 + 0.02
+    assert plan(_costs(0.005, 0.0, 0.1), acc, 8, 4, pipelined=False, batched=True).outcomes == ()
+
+
+def test_one_at_a_time_drafters_pay_per_predraft() -> None:
+    """A drafter without draft_many predrafts each outcome in a call of its own: fewer fit."""
+    acc, costs = _acceptance(0.8), _costs(0.01, 0.0, 0.1)
+    batched = plan(costs, acc, 8, 4, pipelined=True, batched=True, fixed=True)
+    single = plan(costs, acc, 8, 4, pipelined=True, batched=False, fixed=True)
+    assert 1 <= len(single.outcomes) < len(batched.outcomes)
+
+
+def test_plan_maximises_the_tokens_per_second_it_predicts() -> None:
+    """No shape within the caps, pipelined or not, is predicted faster than the one chosen."""
+    acc, costs = _acceptance(0.7, side=0.2), _costs(0.02, 0.003, 0.08, 0.004, 0.002)
+    best = plan(costs, acc, 12, 5, pipelined=True, batched=True)
+    for b in range(1, 13):
+        for d in range(1, min(b, 5) + 1):
+            other = plan(costs, acc, b, d, pipelined=True, batched=True, fixed=True)
+            assert other.tokens_per_s <= best.tokens_per_s + 1e-9
