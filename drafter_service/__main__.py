@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="oracle: JSON list of token-id sequences (prompt + the target's continuation)")
     p.add_argument("--draft-cost-s", type=float, default=float(_env("DRAFT_COST_S", "0")),
                    help="oracle: seconds to sleep per tree level (a drafter of that cost)")
+    p.add_argument("--draft-row-cost-s", type=float, default=float(_env("DRAFT_ROW_COST_S", "0")),
+                   help="oracle: seconds to sleep per row of a level, on top (a wider level costs more, as on a CPU)")
     p.add_argument("--vocab-size", type=int, default=int(_env("VOCAB_SIZE", str(DEFAULT_VOCAB_SIZE))),
                    help="oracle: vocabulary size (default: the bundled SmolLM2's)")
     p.add_argument("--seed", type=int, default=int(_env("SEED", "0")), help="oracle: corruption seed")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = DrafterServiceConfig(
         drafter=args.drafter, host=args.host, port=args.port, oracle_reference=args.oracle_reference,
-        draft_cost_s=args.draft_cost_s, vocab_size=args.vocab_size, seed=args.seed,
+        draft_cost_s=args.draft_cost_s, draft_row_cost_s=args.draft_row_cost_s, vocab_size=args.vocab_size, seed=args.seed,
         max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s, threads=args.threads,
         device=args.device, dtype=args.dtype,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,

@@ -20,6 +20,7 @@ class DrafterServiceConfig:
     port: int = 0  # 0 = pick a free port
     oracle_reference: str | None = None  # JSON file: list of token-id sequences (prompt + continuation)
     draft_cost_s: float = 0.0  # oracle only: sleep per tree level
+    draft_row_cost_s: float = 0.0  # oracle only: sleep per row of a level, on top
     vocab_size: int = DEFAULT_VOCAB_SIZE  # oracle only (the model drafter takes its own)
     seed: int = 0  # oracle only: seed of its corruption
     max_sessions: int = 256
@@ -44,10 +45,12 @@ class DrafterServiceConfig:
             raise ValueError("drafter: a drafter service needs a drafter: ngram, model:PATH or oracle:ALPHA")
         if kind == "oracle" and not self.oracle_reference:
             raise ValueError("oracle_reference: the oracle drafter needs --oracle-reference FILE")
-        if kind != "oracle" and self.draft_cost_s:
-            raise ValueError("draft_cost_s: only the oracle drafter models a draft cost")
-        if self.draft_cost_s < 0:
-            raise ValueError(f"draft_cost_s: must be >= 0, got {self.draft_cost_s}")
+        for name in ("draft_cost_s", "draft_row_cost_s"):
+            value = getattr(self, name)
+            if kind != "oracle" and value:
+                raise ValueError(f"{name}: only the oracle drafter models a draft cost")
+            if value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port <= 65535:

@@ -2,10 +2,10 @@
 beforehand), replacing each proposed token with a wrong one with probability 1 - alpha.
 
 This fixes the per-token acceptance rate at alpha so that system efficiency can be compared with
-the theoretical bound of DESIGN.md. An optional `draft_cost_s` sleeps per tree level to model a
-drafter of a given cost (the draft/target cost ratio c): once per level whatever the level's
-width, and once per level for trees grown together (`draft_many`), as for a small model drafter
-on an accelerator, where a level is one forward and its cost barely depends on its width.
+the theoretical bound of DESIGN.md. Its cost model sleeps, per tree level, `draft_cost_s` +
+`draft_row_cost_s` x the rows of that level (the nodes it expands, over all trees grown together
+by `draft_many`): a small model drafter whose level is one forward, whose cost barely depends on
+its width on an accelerator (row cost 0) and grows with it on a CPU (row cost > 0).
 Greedy only in spirit: under sampling it proposes with q one-hot on each proposed token, which is
 exact (lossless) but not informative.
 
@@ -31,7 +31,7 @@ class OracleDrafter:
     needs_features = False
 
     def __init__(self, reference: list[int], alpha: float, vocab_size: int, seed: int = 0,
-                 draft_cost_s: float = 0.0) -> None:
+                 draft_cost_s: float = 0.0, draft_row_cost_s: float = 0.0) -> None:
         """`reference`: the full token sequence (prompt + the target's continuation)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
@@ -40,14 +40,15 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.seed = seed
         self.draft_cost_s = draft_cost_s
+        self.draft_row_cost_s = draft_row_cost_s
 
     @classmethod
     def from_references(cls, references: Sequence[Sequence[int]], alpha: float, vocab_size: int,
-                        seed: int = 0, draft_cost_s: float = 0.0) -> "OracleDrafter":
+                        seed: int = 0, draft_cost_s: float = 0.0, draft_row_cost_s: float = 0.0) -> "OracleDrafter":
         """An oracle for many sessions: one reference (prompt + continuation) per known prompt."""
         if not references:
             raise ValueError("reference: at least one reference sequence is required")
-        drafter = cls(references[0], alpha, vocab_size, seed, draft_cost_s)
+        drafter = cls(references[0], alpha, vocab_size, seed, draft_cost_s, draft_row_cost_s)
         drafter.references = [list(r) for r in references]
         return drafter
 
@@ -82,8 +83,8 @@ class OracleSession(ContextSession):
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
                    generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
-        """Trees rooted at several points of the context, for one `draft_cost_s` per level in all:
-        the cost model of a drafter whose level is one forward, whatever its width."""
+        """Trees rooted at several points of the context, for one level's cost per level in all:
+        `draft_cost_s` plus `draft_row_cost_s` per node expanded at that level, in every tree."""
         n = len(self.context)
         if self.ref[:n] != self.context and len(self.d.references) > 1:
             self.ref = self.d.pick(self.context)
@@ -92,8 +93,9 @@ class OracleSession(ContextSession):
 
         def expand(trees: list[int], _nodes: list[int], paths: list[tuple[int, ...]],
                    counts: list[int]) -> list[Children]:
-            if self.d.draft_cost_s:
-                time.sleep(self.d.draft_cost_s)
+            cost = self.d.draft_cost_s + self.d.draft_row_cost_s * len(trees)
+            if cost:
+                time.sleep(cost)
             out = []
             for t, prefix, count in zip(trees, paths, counts):
                 base = roots[t]
