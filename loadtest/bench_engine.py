@@ -91,7 +91,8 @@ def base_meta() -> dict:
     """What every benchmark records about its run: the code, when, the machine, threads, the kernel."""
     return {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-            "small_m_kernel": kernels.active() or kernels.reason()}
+            "small_m_kernel": kernels.active() or kernels.reason(),
+            "kernel_dispatch": kernels.describe()}  # per weight shape: kernel or torch, and the times (call after loading)
 
 
 def save(path: str, meta: dict, results: list[dict], table: str) -> None:

@@ -52,6 +52,33 @@ def test_rows_do_not_depend_on_the_other_rows(threads):
         torch.set_num_threads(before)
 
 
+def test_concurrent_callers_and_a_forked_child_get_the_same_rows():
+    """The kernel's own thread pool: callers on several threads at once (one uses the pool, the others
+    run alone) and a forked child (none of the parent's workers) compute exactly the same rows."""
+    import threading
+
+    kernels.load()
+    g = torch.Generator().manual_seed(7)
+    w, xs = torch.randn(3001, 640, generator=g), [torch.randn(m, 640, generator=g) for m in (1, 3, 6, 17)]
+    expected = [kernels.kernel_linear(x, w) for x in xs]
+    got: list = [None] * len(xs)
+
+    def run(i: int) -> None:
+        got[i] = [kernels.kernel_linear(xs[i], w) for _ in range(20)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(y, e) for ys, e in zip(got, expected) for y in ys)
+    pid = os.fork()
+    if pid == 0:  # compared with numpy: torch's own OpenMP pool hangs in a forked child (a GNU OpenMP limit)
+        same = all(kernels.kernel_linear(x, w).numpy().tobytes() == e.numpy().tobytes() for x, e in zip(xs, expected))
+        os._exit(0 if same else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
 def test_large_batches_and_autograd_use_torch():
     kernels.load()
     x, w = torch.randn(kernels.SMALL_M_MAX + 1, 32), torch.randn(16, 32)

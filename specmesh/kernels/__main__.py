@@ -17,6 +17,8 @@ parser = argparse.ArgumentParser(prog="python -m specmesh.kernels")
 parser.add_argument("--report", action="store_true", help="print the dispatch table (kernel vs torch per shape)")
 parser.add_argument("--threads", type=int, default=None, help="torch threads the table is for (default: torch's)")
 parser.add_argument("--target", default=None, help="a model path: tune for its weight shapes first")
+parser.add_argument("--bench", metavar="OUT.json", default=None,
+                    help="kernel vs torch at 1 and 2 threads on Qwen2.5-1.5B shapes, written to OUT.json")
 args = parser.parse_args()
 if args.threads:
     torch.set_num_threads(args.threads)
@@ -34,4 +36,13 @@ if args.report or args.target:
         path = dispatch.table_path(lib, dispatch.table_key(lib))
         print(f"table: {path}")
         dispatch.report(dispatch.read_table(path))
+if args.bench and kernels.active():
+    import json
+
+    from specmesh.kernels import bench
+
+    result = bench.bench(kernels.kernel_linear)
+    with open(args.bench, "w") as f:
+        json.dump(result, f, indent=1)
+    print(bench.table(result))
 sys.exit(0)
