@@ -43,7 +43,8 @@ class DrafterMetrics:
         r = self.registry
         terms = {"level": 0, "row": 1, "call": 2}
         r.add(Gauge(PREFIX + "draft_cost_seconds", "Fitted draft call cost: seconds per level, per row fed, per call.",
-                    lambda: {(k,): costs.draft.coef[i] for k, i in terms.items()}, ("term",)))
+                    lambda: {(call, k): fit.coef[i] for call, fit in (("draft", costs.draft), ("draft_many", costs.draft_many))
+                             for k, i in terms.items()}, ("call", "term")))
         r.add(Gauge(PREFIX + "verify_cost_seconds", "Fitted target verification cost reported by verifiers: base and per row.",
                     lambda: {("base",): costs.verify.coef[0], ("row",): costs.verify.coef[1]}, ("term",)))
         r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",

@@ -104,13 +104,20 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 @dataclass
 class Costs:
-    """What one process has measured: its drafter's calls, the target's verifications (reported
-    by the verifier with each commit) and the link's share of a step (the time from sending a tree
-    to its commit, less the verification)."""
+    """What one process has measured: its drafter's calls (`draft`: one tree; `draft_many`: trees
+    at several roots at once, whose first forward feeds every root), the target's verifications
+    (reported by the verifier with each commit) and the link's share of a step (the time from
+    sending a tree to its commit, less the verification)."""
 
     draft: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.0)))  # levels, rows, 1
+    draft_many: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.0)))
     verify: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))  # 1, rows
     link_s: float = 0.002
+
+    def many(self, levels: float, rows: float) -> float:
+        """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
+        fit = self.draft_many if self.draft_many.samples else self.draft
+        return fit(levels, rows, 1.0)
 
     def add_link(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
@@ -304,7 +311,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     hit += p * _bonus_hit(table, k + 1, w, branches)
                     chosen.append(k)
                     m = len(chosen)
-                    pre = costs.draft(levels, m * rows, 1.0) if batched else m * costs.draft(levels, rows, 1.0)
+                    pre = costs.many(levels, m * rows) if batched else m * costs.draft(levels, rows, 1.0)
                     step = max(v, pre) + (1.0 - hit) * fresh
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
         for p in options:

@@ -129,6 +129,31 @@ def test_metered_drafter_counts_every_tree_drafted_together():
     assert s[p + "trees_total"] == 3 and s[p + "tree_nodes_total"] == 12 and s[p + "draft_seconds_count"] == 3
 
 
+def test_drafter_exports_what_its_planner_weighs():
+    """The costs the drafter measured (calibration and live calls, verifications reported with
+    commits) and its recent sessions' acceptance, as the planner sees them."""
+    from specmesh.drafters.predraft import DraftAhead, calibrate, main_path
+    from specmesh.planner import Acceptance, Costs
+
+    m, costs, recent = DrafterMetrics(lambda: 1), Costs(), Acceptance()
+    m.watch_planner(costs, recent)
+    ctx = [5, 6, 7, 5, 6, 7, 5, 6]
+    calibrate(NgramDrafter().open(ctx), len(ctx), costs)
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), SamplingParams(), pipelined=False, costs=costs,
+                       recent=recent)
+    st = ahead.first(4, 4)
+    h = [st.tree.tokens[i] for i in main_path(st.tree)]
+    ahead.commit(0, h[:1], 99, 4, 4, verify_s=0.25)
+    s = parse_prometheus(m.render())
+    p = "specmesh_drafter_"
+    assert s[p + 'draft_cost_seconds{call="draft",term="level"}'] == costs.draft.coef[0]
+    rows = 1 + len(st.tree)  # the pending token and the nodes
+    assert s[p + 'verify_cost_seconds{term="base"}'] + rows * s[p + 'verify_cost_seconds{term="row"}'] == \
+        pytest.approx(0.25, rel=1e-2)
+    assert s[p + 'acceptance{depth="1",rank="0"}'] == pytest.approx(recent.rate(1, 0))
+    assert s[p + 'acceptance{depth="2",rank="0"}'] == pytest.approx(recent.rate(2, 0))
+
+
 def test_verifier_exports_batching_only_when_batched():
     from types import SimpleNamespace
 

@@ -343,7 +343,7 @@ class DraftAhead:
             else:  # every planned outcome at once: one expansion per level for all of them
                 trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
                                                 self.params, self.generator, excludes, branches)
-            self._add_draft_cost(trees, time.perf_counter() - t)
+            self._add_draft_cost(trees, time.perf_counter() - t, many=len(ks) > 1)
             for k, tree in zip(ks, trees):
                 made = Predraft(self.step, self._path[:k], self.position + k, tree, self.plan.depth)
                 self._predrafts[tuple(made.accepted)] = made
@@ -405,10 +405,10 @@ class DraftAhead:
             self.costs.verify.add((1.0, 1.0 + len(self._tree)), verify_s)
             self.costs.add_link(arrived - self._sent_at - verify_s)
 
-    def _add_draft_cost(self, trees: list[DraftTree], seconds: float) -> None:
+    def _add_draft_cost(self, trees: list[DraftTree], seconds: float, many: bool = False) -> None:
         levels, rows = planner.draft_work(trees)
         if levels:
-            self.costs.draft.add((float(levels), float(rows), 1.0), seconds)
+            (self.costs.draft_many if many else self.costs.draft).add((float(levels), float(rows), 1.0), seconds)
 
     def _plan(self, budget: int, depth: int) -> Plan:
         return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed)
@@ -467,7 +467,7 @@ def _accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
 def calibrate(session: DraftSession, context_len: int, costs: Costs) -> None:
     """Measure a drafter's cost by levels and rows before the first request: chains, wide trees
     and, where the session has `draft_many`, trees at several roots at once, each call timed into
-    `costs.draft` as live calls are (so that width is priced from the start). `session`: opened on
+    `costs.draft` / `costs.draft_many` as live calls are (so that width is priced from the start). `session`: opened on
     `context_len` >= 2 tokens the drafter accepts; the caller closes it."""
     params = SamplingParams()
     gen = draft_generator(params)
@@ -480,4 +480,4 @@ def calibrate(session: DraftSession, context_len: int, costs: Costs) -> None:
         for _ in range(2):
             t = time.perf_counter()
             trees = session.draft_many(roots, 8, 3, params, gen, [()] * len(roots))
-            costs.draft.add((*map(float, planner.draft_work(trees)), 1.0), time.perf_counter() - t)
+            costs.draft_many.add((*map(float, planner.draft_work(trees)), 1.0), time.perf_counter() - t)
