@@ -65,8 +65,8 @@ def library_path() -> Path:
     return _cache_dir() / f"small_gemm-{key}.so"
 
 
-def _compile(out: Path) -> None:
-    """Compile into a private temporary file, then rename: concurrent builders never share a file."""
+def _compile(out: Path, source: Path = _SOURCE) -> None:
+    """Compile `source` into a private temporary file, then rename: concurrent builders never share a file."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -78,7 +78,7 @@ def _compile(out: Path) -> None:
         tmp_out = Path(tmp) / out.name
         cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=specmesh_kernels"]
         cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-        cmd += [str(_SOURCE), "-o", str(tmp_out)]
+        cmd += [str(source), "-o", str(tmp_out)]
         cmd += [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
