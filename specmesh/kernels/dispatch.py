@@ -5,7 +5,7 @@ this machine runs faster, timed once per machine and cached.
 (N, K), and for every shape not in the cached table times the kernel against `F.linear` at
 `TUNE_ROWS` row counts: interleaved calls, each on the next weight of that shape in the model (so a
 weight is read from memory, as in a forward over the whole model, not from cache), a median of a
-few repetitions, about 4 s for a 1.5B model whose 151936-row head is ~1 GB. The table is a JSON
+few repetitions (`TUNE_ROWS_LARGE` only for a ~1 GB vocabulary head), a few seconds per model. The table is a JSON
 file beside the compiled library, one per key: CPU model, its SIMD flags (avx2/fma/avx512*/amx*),
 torch's thread count, torch's version and the library's own hash. A later process with the same
 key reads it and times nothing.
@@ -45,6 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 TUNE_ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree + pending token, SMALL_M_MAX
+TUNE_ROWS_LARGE = (1, 5, 17)  # for a weight over LARGE_BYTES (a 150k-vocabulary head: ~1 GB, 0.1 s a call)
+LARGE_BYTES = 256 << 20
+PAGE_FLOATS = 1024  # 4 KB
+TABLE_VERSION = 2  # part of the key: a change to how shapes are timed retimes them
 MARGIN = 0.05  # torch must be this much faster over TUNE_ROWS to give up the kernel's batch invariance
 MIN_SAVING_US = 2.0  # ... and save this much per call: below it, the difference is call overhead and noise
 REP_BUDGET_S = 0.03  # timing budget per (shape, rows, path): 3 repetitions for a 1 GB head, 9 for small ones
@@ -80,7 +84,7 @@ def _delays_us() -> dict[str, float]:
 
 
 def table_key(library: Path) -> dict:
-    key = {"cpu": cpu_model(), "flags": cpu_flags(), "threads": torch.get_num_threads(),
+    key = {"version": TABLE_VERSION, "cpu": cpu_model(), "flags": cpu_flags(), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "library": library.stem}
     delays = {p: d for p, d in _delays_us().items() if d}
     if delays:  # a table timed with a test delay must never be taken for a real one
@@ -198,7 +202,12 @@ def tune_weights(weights: dict, kernel: Linear, library: Path) -> tuple[dict[str
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for n, k in missing:
-                    entry = time_shape(weights[(n, k)], kernel)
+                    for w, _ in weights[(n, k)]:
+                        # Fault every page in now (safetensors maps files): a first touch during the
+                        # timing costs ms and would land on whichever path read that weight first.
+                        w.view(-1)[::PAGE_FLOATS].sum()
+                    rows = TUNE_ROWS_LARGE if n * k * 4 > LARGE_BYTES else TUNE_ROWS
+                    entry = time_shape(weights[(n, k)], kernel, rows)
                     entry["choice"] = choose(entry)
                     entry["weights"] = len(weights[(n, k)])
                     table["shapes"][shape_name(n, k)] = entry
