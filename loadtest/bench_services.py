@@ -53,10 +53,11 @@ PROMPTS = [
 class Config:
     name: str
     where: str                 # inproc | tp1 | tp2
-    drafter: str = "none"      # none | ngram | o6 | o8 | o8c (oracle 0.8, cost-free)
+    drafter: str = "none"      # none | ngram | o6 | o8 | o8l | o8w (row cost too) | o8c (oracle 0.8, cost-free)
     pipelined: bool = True
     alpha: float | None = None
-    cost_s: float = 0.0        # the oracle's draft cost per tree level
+    cost_s: float = 0.0        # the oracle's draft cost per tree level ...
+    row_cost_s: float = 0.0    # ... and per row of a level, on top (a CPU-like drafter)
     budget: int = DEPTH        # the request's SpeculationOptions (0 = the server's default)
     depth: int = DEPTH
     fixed: bool = False        # the shape as given, not as a cap for the verifier's planner
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-cost-s", type=float, default=0.025, help="oracle sleep per tree level")
     ap.add_argument("--low-draft-cost-s", type=float, default=0.01,
                     help="the second oracle draft cost (a chain well below a target step)")
+    ap.add_argument("--row-draft-cost-s", type=float, default=0.004,
+                    help="o8w: the low draft cost per level plus this per row of a level (width costs, as on a CPU)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "o6": start("drafter_service", "--drafter", "oracle:0.6", "--oracle-reference", ref, "--draft-cost-s", cost),
         "o8": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref, "--draft-cost-s", cost),
         "o8l": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref, "--draft-cost-s", low),
+        "o8w": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref, "--draft-cost-s", low,
+                     "--draft-row-cost-s", str(args.row_draft_cost_s)),
         "o8c": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref),
         "tp1": start("verifier_service", "--threads", "1", "--draft-deadline-s", "10"),
     }
@@ -131,16 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = [Config("in-process none", "inproc"), Config("in-process oracle 0.8 cost-free", "inproc", "o8c"),
                    Config("in-process oracle 0.8 with draft cost", "inproc", "o8", alpha=0.8, cost_s=args.draft_cost_s)]
-        costs = {"o6": args.draft_cost_s, "o8": args.draft_cost_s, "o8l": args.low_draft_cost_s}
+        costs = {"o6": args.draft_cost_s, "o8": args.draft_cost_s, "o8l": args.low_draft_cost_s,
+                 "o8w": args.low_draft_cost_s}
+        rows = {"o8w": args.row_draft_cost_s}
         for where in [w for w in ("tp1", "tp2") if w in procs]:
             configs.append(Config(f"{where} autoregressive", where))
-            drafters = [("ngram", None), ("o6", 0.6), ("o8", 0.8), ("o8l", 0.8)] if where == "tp1" else [("o8", 0.8)]
+            drafters = ([("ngram", None), ("o6", 0.6), ("o8", 0.8), ("o8l", 0.8), ("o8w", 0.8)] if where == "tp1"
+                        else [("o8", 0.8)])
             for d, a in drafters:
-                for pipe in (False, True):
+                for pipe in (False, True):  # chains of DEPTH (the bounds' shape); the predrafts planned
                     configs.append(Config(f"{where} {d} pipelining {'on' if pipe else 'off'}", where, d, pipe, a,
-                                          costs.get(d, 0.0)))
+                                          costs.get(d, 0.0), rows.get(d, 0.0), fixed=True))
             if where == "tp1":
-                configs.append(Config("tp1 oracle 0.8 cost-free pipelining off", "tp1", "o8c", False))
+                for pipe in (False, True):  # the planner's own shapes within 8 nodes / depth 4: no chain bound
+                    configs.append(Config(f"tp1 o8w planned pipelining {'on' if pipe else 'off'}", "tp1", "o8w", pipe,
+                                          budget=8, depth=DEPTH))
+                configs.append(Config("tp1 oracle 0.8 cost-free pipelining off", "tp1", "o8c", False, fixed=True))
         run_all(configs, cases, model, {k: p.address for k, p in procs.items()}, n)
     finally:
         for p in procs.values():
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     results = summarise(configs)
     meta = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "max_tokens": n, "depth": DEPTH,
             "prompts": len(cases), "draft_cost_s_per_level": args.draft_cost_s,
-            "low_draft_cost_s_per_level": args.low_draft_cost_s,
+            "low_draft_cost_s_per_level": args.low_draft_cost_s, "row_draft_cost_s_per_row": args.row_draft_cost_s,
             "threads": "1 torch thread per process (verifier rank, drafter, in-process engine)",
             "note": "chains (budget = depth = 4); EOS ignored; ratios from one run, interleaved per prompt"}
     with open(args.out, "w") as f:
@@ -281,7 +292,7 @@ def summarise(configs: list[Config]) -> list[dict]:
              "predraft_hit_rate": round(c.hits / c.steps, 3) if c.where != "inproc" else None}
         if c.alpha is not None:
             e, e_run, v = expected_tokens_per_step(c.alpha, DEPTH), c.tokens / c.steps, c.verify_s / c.steps / step_s
-            gc = DEPTH * c.cost_s / step_s  # draft cost of a chain relative to one target step
+            gc = DEPTH * (c.cost_s + c.row_cost_s) / step_s  # draft cost of a chain relative to one target step
             bounds = {"sequential_bound": e_run / (1 + gc), "pipelined_bound": e_run / max(1.0, gc),
                       "nominal_pipelined_bound": e / max(1.0, gc),
                       "hw_sequential_bound": e_run / (v + gc), "hw_pipelined_bound": e_run / max(v, gc)}
@@ -305,8 +316,11 @@ def summarise(configs: list[Config]) -> list[dict]:
 
 def format_table(meta: dict, results: list[dict]) -> str:
     low = meta.get("low_draft_cost_s_per_level")
+    row = meta.get("row_draft_cost_s_per_row")
     costs = (f"{meta['draft_cost_s_per_level']}s/level (o6, o8) and {low}s/level (o8l)"
              if isinstance(low, (int, float)) else f"{meta['draft_cost_s_per_level']}s/level (o8)")
+    if isinstance(row, (int, float)):
+        costs += f", {low}s/level + {row}s/row (o8w)"
     lines = [f"commit {meta['commit']} · {meta['prompts']} prompts x {meta['max_tokens']} tokens · chains of "
              f"{meta['depth']} · oracle draft cost {costs} · {meta['threads']}",
              "| configuration | tok/s | speedup vs AR | decode speedup | tokens/step E' | verify cost v | idle fraction "

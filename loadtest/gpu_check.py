@@ -147,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                    Config("in-process oracle 0.8 cost-free", "inproc", "o8c"),
                    Config("in-process oracle 0.8 with draft cost", "inproc", "o8", alpha=0.8, cost_s=cost_s),
                    Config("tp1 autoregressive", "tp1"),
-                   Config("tp1 oracle 0.8 cost-free pipelining off", "tp1", "o8c", False, 0.8),
-                   Config("tp1 oracle 0.8 cost-free pipelining on", "tp1", "o8c", True, 0.8),
-                   Config("tp1 o8 pipelining off", "tp1", "o8", False, 0.8, cost_s),
-                   Config("tp1 o8 pipelining on", "tp1", "o8", True, 0.8, cost_s),
+                   # chains of DEPTH, the bounds' shape (only the predrafts are planned)
+                   Config("tp1 oracle 0.8 cost-free pipelining off", "tp1", "o8c", False, 0.8, fixed=True),
+                   Config("tp1 oracle 0.8 cost-free pipelining on", "tp1", "o8c", True, 0.8, fixed=True),
+                   Config("tp1 o8 pipelining off", "tp1", "o8", False, 0.8, cost_s, fixed=True),
+                   Config("tp1 o8 pipelining on", "tp1", "o8", True, 0.8, cost_s, fixed=True),
                    Config("tp1 model drafter (random, same device) pipelining on", "tp1", "model", True)]
         run_all(configs, cases, model, {k: p.address for k, p in procs.items()}, args.max_tokens)
         verifier_line = next(line.strip() for line in procs["tp1"].lines if "listening on" in line)
