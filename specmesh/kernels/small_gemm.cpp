@@ -91,6 +91,11 @@ struct Job {
   }
 };
 
+inline void relax() {  // a few pauses, then give the core to whoever else is runnable on it
+  for (int i = 0; i < 16; ++i) _mm_pause();
+  std::this_thread::yield();
+}
+
 class Pool {
  public:
   static constexpr int SPIN_US = 100;  // a worker spins this long for the next job before it sleeps
@@ -108,7 +113,8 @@ class Pool {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = nullptr;  // from now on no worker joins this job
     }
-    while (job.active.load(std::memory_order_acquire) != 0) _mm_pause();  // workers mid-chunk: running
+    // Workers mid-chunk. Yield, not just spin: on a busy machine one may share this core with us.
+    while (job.active.load(std::memory_order_acquire) != 0) relax();
   }
 
  private:
@@ -123,7 +129,7 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
-      while (gen_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) _mm_pause();
+      while (gen_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) relax();
       Job* job;
       {
         std::unique_lock<std::mutex> lock(mu_);
