@@ -103,7 +103,18 @@ def _probe(env: dict[str, str]) -> str:
 def test_disabled_by_environment():
     out = _probe({"SPECMESH_KERNELS": "0"})
     assert out.startswith("False disabled by SPECMESH_KERNELS=0"), out
-    assert kernels.describe()["mode"] == "measured" or os.environ.get("SPECMESH_KERNELS")
+
+
+def test_forced_by_environment_never_times():
+    """SPECMESH_KERNELS=1: the kernel for every shape, no table: exact batch invariance whatever the speed."""
+    code = ("import torch; from specmesh import kernels\n"
+            "kernels.load(); kernels.tune(torch.nn.Sequential(torch.nn.Linear(64, 32)))\n"
+            "d = kernels.describe(); print(d['mode'], d['batch_invariant'], d['shapes'])\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPECMESH_KERNELS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["forced", "True", "{}"], done.stdout
+    assert "small-M kernel for" not in done.stderr  # nothing timed, nothing to report
 
 
 def test_failed_build_falls_back_with_a_warning(tmp_path):
