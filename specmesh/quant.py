@@ -6,16 +6,21 @@ model (norms, attention, residual stream, KV cache) stays fp32 in every format.
 - `fp32`: `specmesh.model.Linear` as it is (the reference).
 - `bf16`: weight in bfloat16, `F.linear` on bf16 activations.
 - `int8`: int8 codes with one scale per output channel, `torch._weight_int8pack_mm`.
-- `int4`: 4-bit codes, one (scale, zero) pair per 32 inputs of a row,
-  `torch.ops.aten._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero.
+- `int4`: 4-bit codes, one (scale, zero) pair per 32 inputs of a row: w = (q - 8) * scale + zero.
+  Two kernels, chosen once per process (`int4_kernel()`):
+  - specmesh's own (`specmesh.kernels.q4`, AVX2/FMA, built on first use): fp32 activations, fp32
+    scales and zeros, fp32 sums; equals x @ `Int4Codes.dequantize()`.T up to fp32 summation order
+    (it adds scale * sum(q x) + (zero - 8 scale) * sum(x) per group) and is batch-invariant;
+  - else torch's `_weight_int4pack_mm_for_cpu`: activations, scales and zeros rounded to bf16.
 
-Both int kernels, and bf16 `F.linear`, take bf16 activations: with fp32 activations torch 2.13's
+torch's int kernels, and bf16 `F.linear`, take bf16 activations: with fp32 activations torch 2.13's
 CPU int kernels fall back to scalar code that runs 10-25x slower than fp32 `F.linear`
-(loadtest/bench_formats.py). So a `QuantLinear` rounds its input to bf16, and its output back to
-fp32; scales and zeros are held in bf16 too (the kernels want them in the activations' dtype).
+(loadtest/bench_formats.py). So on those paths a `QuantLinear` rounds its input to bf16, and its
+output back to fp32; scales and zeros are held in bf16 too (the kernels want them in the
+activations' dtype).
 
-GGUF blocks that are 4-bit with 32-element groups (Q4_0, Q4_1, Q4_K) map onto `int4` exactly
-up to that bf16 rounding of scale and zero (`gguf_int4_codes`): the file's codes are kept, not
+GGUF blocks that are 4-bit with 32-element groups (Q4_0, Q4_1, Q4_K) map onto `int4` exactly (on
+torch's path up to the bf16 rounding of scale and zero; `gguf_int4_codes`): the file's codes are kept, not
 requantized. Everything else (Q6_K, Q8_0, Q5_*, F16, ...) has no exact 4-bit or per-channel
 int8 form: `int4` keeps those tensors fp32 (the loader's choice), `int8` requantizes them
 (`from_float`), and `WeightFormat` records which, for the model card.
@@ -104,6 +109,13 @@ def gguf_int4_codes(raw: np.ndarray, qtype_name: str, n: int, k: int) -> Int4Cod
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # weights, bytes per block
 
 
+def int4_kernel() -> str:
+    """Which kernel `int4` layers built in this process use: 'specmesh-q4' or 'torch-int4pack'."""
+    from specmesh.kernels import q4
+
+    return "specmesh-q4" if q4.available() else "torch-int4pack"
+
+
 class QuantLinear(nn.Module):
     """A Linear in a non-fp32 format (`FORMATS`): fp32 in, fp32 out, `in_features`/`out_features`
     like nn.Linear. Build with `from_float` or `from_int4`. Each output row depends only on its own
@@ -115,6 +127,7 @@ class QuantLinear(nn.Module):
         if fmt not in FORMATS[1:]:
             raise ValueError(f"format: expected one of {', '.join(FORMATS[1:])}, got {fmt!r}")
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.kernel = ""  # int4 only: `int4_kernel()` when the layer was built
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @staticmethod
@@ -142,6 +155,14 @@ class QuantLinear(nn.Module):
     def _set_int4(self, c: Int4Codes) -> None:
         if self.in_features % GROUP:
             raise ValueError(f"int4: in_features {self.in_features} is not a multiple of {GROUP}")
+        self.kernel = int4_kernel()
+        if self.kernel == "specmesh-q4":
+            from specmesh.kernels import q4
+
+            p = q4.pack(c.q, c.scale, c.zero)
+            self.register_buffer("q4_codes", p.codes)  # [N/8, K/32, 16, 8] uint8
+            self.register_buffer("q4_sb", p.sb)  # [N/8, K/32, 2, 8] fp32 scales, biases
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.q.to(torch.int32), 1)  # [N, K/2] uint8
         sz = torch.stack([c.scale.t(), c.zero.t()], -1).to(COMPUTE_DTYPE).contiguous()  # [K/32, N, 2]
         self.register_buffer("qweight", packed)
@@ -149,6 +170,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.fmt == "int4" and self.kernel == "specmesh-q4":
+            from specmesh.kernels import q4
+
+            x2 = x.reshape(-1, shape[-1]).float()  # [M, K]: fp32 throughout
+            y = q4.q4_linear(x2, self.q4_codes, self.q4_sb, self.out_features)  # [M, N]
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)  # [M, K]
         if self.fmt == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, GROUP, self.scale_zero)
@@ -168,13 +197,17 @@ class QuantLinear(nn.Module):
         if self.fmt == "int8":
             return self.qweight.float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features)  # fp32 in, fp32 scales: each output is one weight, exactly
+        if self.kernel == "specmesh-q4":
+            from specmesh.kernels import q4
+
+            return q4.q4_linear(eye, self.q4_codes, self.q4_sb, self.out_features).t()  # fl(scale * q + bias), the kernel's own arithmetic
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, GROUP, self.scale_zero.float()).t()
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
-        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.fmt}{' ' + self.kernel if self.kernel else ''}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 @dataclass
@@ -197,8 +230,8 @@ class WeightFormat:
         return self.fmt in ("int8", "int4") and bool(self.requantized)
 
     def describe(self) -> str:
-        """e.g. `int4 (kept fp32: 29 Q6_K)`, `int8 (requantized: 196 Q4_K, 29 Q6_K)`."""
-        notes = []
+        """e.g. `int4 (specmesh-q4; kept fp32: 29 Q6_K)`, `int8 (requantized: 196 Q4_K, 29 Q6_K)`."""
+        notes = [int4_kernel()] if self.fmt == "int4" else []
         if self.requantizing:
             notes.append("requantized: " + ", ".join(f"{n} {t}" for t, n in sorted(self.requantized.items())))
         if self.kept_fp32:

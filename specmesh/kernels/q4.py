@@ -1,0 +1,115 @@
+"""The 4-bit small-M CPU kernel (`q4_gemm.cpp`): y = x @ W.T with x fp32 and W as 4-bit codes with
+one fp32 (scale, bias) pair per 32 inputs of a row, w = q * scale + bias, q in 0..15.
+
+`pack(codes)` repacks a `specmesh.quant.Int4Codes` once, at load time, into the kernel's layout
+(blocks of 8 output rows, one vector lane per row; see the .cpp); `q4_linear(x, packed)` multiplies.
+Built and cached like the fp32 kernel (`specmesh.kernels`: same compiler flags, same cache
+directory, `SPECMESH_KERNELS=0` turns it off); where it cannot load, `available()` is False,
+`reason()` says why and one line on stderr said so: callers fall back to torch's int4 kernel.
+
+Every output row is a fixed sequence of fp32 operations whatever the other rows, the tiling or the
+thread count (batch invariance), and equals x @ dequantized-weights up to fp32 summation order.
+This module knows 4-bit codes and tensors; it knows nothing about models or GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specmesh import kernels as _k
+
+_SOURCE = Path(__file__).with_name("q4_gemm.cpp")
+LANES = 8  # output rows per block
+GROUP = 32
+
+
+class _State:
+    """Process-wide, like `specmesh.kernels._State`."""
+    op = None
+    tried = False
+    reason = ""
+
+
+@dataclass
+class PackedInt4:
+    """The kernel's weight layout: codes [N/8, K/32, 16, 8] uint8, sb [N/8, K/32, 2, 8] fp32."""
+    codes: torch.Tensor
+    sb: torch.Tensor
+    n: int
+    k: int
+
+
+def library_path() -> Path:
+    key = hashlib.sha256(
+        _SOURCE.read_bytes() + " ".join(_k._FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
+    ).hexdigest()[:16]
+    return _k._cache_dir() / f"q4_gemm-{key}.so"
+
+
+def build() -> Path:
+    path = library_path()
+    if not path.is_file():
+        print("specmesh: compiling the 4-bit CPU kernel (once, ~30 s) ...", file=sys.stderr, flush=True)
+        _k._compile(path, _SOURCE)
+    return path
+
+
+def load() -> bool:
+    """Make the kernel available in this process (once); False, with `reason()` set, when it cannot."""
+    if _State.tried:
+        return _State.op is not None
+    _State.tried = True
+    mode = os.environ.get("SPECMESH_KERNELS") or "auto"
+    if mode == "0":
+        _State.reason = "disabled by SPECMESH_KERNELS=0"
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        _State.reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
+    else:
+        try:
+            torch.ops.load_library(str(build()))
+            _State.op = torch.ops.specmesh_q4.q4_linear
+        except (OSError, RuntimeError) as e:
+            _State.reason = str(e)
+    if _State.op is None:
+        print(f"specmesh: 4-bit kernel unavailable, using torch's int4pack (bf16 activations): {_State.reason}",
+              file=sys.stderr)
+    return _State.op is not None
+
+
+def available() -> bool:
+    return load()
+
+
+def reason() -> str:
+    return _State.reason
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> PackedInt4:
+    """From w = (q - 8) * scale + zero (q [N, K] uint8 0..15, scale/zero [N, K/32] fp32)."""
+    n, k = q.shape
+    if k % GROUP:
+        raise ValueError(f"4-bit kernel: K {k} is not a multiple of {GROUP}")
+    nb, g = -(-n // LANES), k // GROUP
+    pad = nb * LANES - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))  # [NB*8, K], zero rows: y = 0 there
+    scale = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+    bias = torch.nn.functional.pad((zero.float() - 8 * scale[:n]), (0, 0, 0, pad))
+    # k = 32 g + 16 h + u; byte (block, g, u, lane) = q[.., h=0] | q[.., h=1] << 4
+    qv = q.view(nb, LANES, g, 2, 16).permute(0, 2, 4, 1, 3)  # [NB, G, 16, 8, 2]
+    codes = (qv[..., 0] | (qv[..., 1] << 4)).contiguous()  # [NB, G, 16, 8]
+    sb = torch.stack([scale.view(nb, LANES, g).permute(0, 2, 1), bias.view(nb, LANES, g).permute(0, 2, 1)],
+                     2).contiguous()  # [NB, G, 2, 8]
+    return PackedInt4(codes, sb, n, k)
+
+
+def q4_linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int) -> torch.Tensor:
+    """y [M, N] = x [M, K] fp32 @ W.T, W as `pack` left it; call only when `available()`."""
+    return _State.op(x, codes, sb, n)
