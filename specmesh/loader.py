@@ -353,6 +353,7 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
         raise ValueError(f"weights: {path.name} lacks {left[:5]}")
     model.inv_freq = inv_freq.float()
     model.weight_format = info
+    kernels.tune(model)  # the fp32 layers left (all of them in fp32), as model_from_hf does
     return model.eval()
 
 
@@ -370,4 +371,5 @@ def quantize_model(model: Transformer, fmt: str) -> Transformer:
                 setattr(model.get_submodule(parent), child, QuantLinear.from_float(m.weight, m.bias, fmt))
                 info.note(name, "F32")
     model.weight_format = info
+    kernels.tune(model)
     return model

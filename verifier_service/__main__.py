@@ -15,6 +15,7 @@ from verifier_service.config import parse_args
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
+    from specmesh import kernels
     from specmesh.device import parse_dtype, resolve_device
     from specmesh.loader import bundled_target_path, load_model, load_tokenizer
     from verifier_service.server import build_server, serve_until_signal
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     else:
         model = load_model(path, dtype)
+        if batched and cfg.batching == "auto" and not kernels.describe()["batch_invariant"]:
+            # batched rows must compute as they would alone; some weight shapes take torch's GEMM here
+            print("verifier_service: batching off: this machine's products are not batch-invariant "
+                  "(kernels.describe()); --batching on forces it", file=sys.stderr, flush=True)
+            batched = False
         if batched:
             from specmesh.batching import BatchingTarget
 
