@@ -5,7 +5,8 @@ what the runtime uses today), bf16 `F.linear`, int8 weight-only with per-channel
 (`torch._weight_int8pack_mm`), 4-bit weight-only with group size 32
 (`torch.ops.aten._weight_int4pack_mm_for_cpu` after `_convert_weight_to_int4pack_for_cpu`), each
 with fp32 and with bf16 activations, and torchao's int8 / int4 weight-only configs where torchao
-imports. Shapes are Qwen2.5-1.5B's (q/o, k/v, gate/up, down, LM head); rows M as a decode step
+imports, and specmesh's own 4-bit kernel (`specmesh_q4`: `specmesh.kernels.q4`, the same 4-bit
+codes, fp32 activations, fp32 scales). Shapes are Qwen2.5-1.5B's (q/o, k/v, gate/up, down, LM head); rows M as a decode step
 (1) and verification trees (2..17).
 
 Cells are interleaved round by round (every format on a shape, then the next shape) so a shared
@@ -13,7 +14,7 @@ machine's noise hits all formats alike; each cell reports the median over rounds
 time per call. Batch invariance: row i of an M-row product compared bit for bit with row i
 computed alone (`max_abs_diff` 0.0 means invariant on that shape).
 
-Usage: python -m loadtest.bench_formats [--quick] [--rounds N] [--out FILE]
+Usage: python -m loadtest.bench_formats [--quick] [--rounds N] [--formats a,b] [--shapes NxK,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_ops(w: torch.Tensor, with_torchao: bool) -> dict[str, Op]:
     from specmesh import kernels
+    from specmesh.kernels import q4
 
     w16 = w.bfloat16()
     q8, s8 = _int8(w)
@@ -96,6 +98,12 @@ def make_ops(w: torch.Tensor, with_torchao: bool) -> dict[str, Op]:
         "int4_x32": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4, GROUP, sz4),
         "int4_x16": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), p4, GROUP, sz4b),
     }
+    if q4.available():
+        from specmesh.quant import quantize_int4
+
+        c = quantize_int4(w)  # the same asymmetric group-32 codes as `_int4`
+        pk = q4.pack(c.q, c.scale, c.zero)
+        ops["specmesh_q4"] = lambda x: q4.q4_linear(x, pk.codes, pk.sb, pk.n)
     if with_torchao:
         ops.update(_torchao_ops(w))
     return ops
@@ -151,12 +159,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--budget", type=float, default=0.15, help="seconds per cell per round")
     ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--formats", default="", help="only these formats (comma list; fp32 is always timed)")
+    ap.add_argument("--shapes", default="", help="only these NxK shapes (comma list)")
     ap.add_argument("--out", default="loadtest/results/bench_formats.json")
     args = ap.parse_args(argv)
     from specmesh import kernels
+    from specmesh.kernels import q4
 
     kernels.load()
+    q4.load()
     shapes, rows = (SHAPES[:2], [1, 5]) if args.quick else (SHAPES, ROWS)
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    only = set(args.formats.split(",")) | {"fp32"} if args.formats else None
     rounds = 1 if args.quick else args.rounds
     with_torchao = not args.no_torchao
     try:
@@ -173,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
         ops = make_ops(w, with_torchao and n * k <= SLOW_MAX_WEIGHTS)
         if n * k > SLOW_MAX_WEIGHTS:
             ops = {name: op for name, op in ops.items() if name not in SLOW_FORMATS}
+        if only:
+            ops = {name: op for name, op in ops.items() if name in only}
         xs = {m: torch.randn(m, k, generator=gen) for m in rows}
         for threads in [int(t) for t in args.threads.split(",")]:
             torch.set_num_threads(threads)
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "cpu": cpu_name(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
         "torchao": __import__("torchao").__version__ if with_torchao else None,
-        "small_m_kernel": kernels.active(), "rounds": rounds, "group_size": GROUP,
+        "small_m_kernel": kernels.active(), "q4_kernel": q4.available(), "rounds": rounds, "group_size": GROUP,
         "cells": cells,
         "batch_invariance": [{"threads": t, "N": s[0], "K": s[1], "format": f, "M": max(rows),
                               "max_abs_diff": d} for (t, s, f), d in inv.items()],

@@ -26,6 +26,7 @@ import torch
 from specmesh import kernels as _k
 
 _SOURCE = Path(__file__).with_name("q4_gemm.cpp")
+_HEADERS = [Path(__file__).with_name("pool.h")]
 LANES = 8  # output rows per block
 GROUP = 32
 
@@ -48,7 +49,7 @@ class PackedInt4:
 
 def library_path() -> Path:
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(_k._FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
+        _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS) + " ".join(_k._FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
     ).hexdigest()[:16]
     return _k._cache_dir() / f"q4_gemm-{key}.so"
 

@@ -17,12 +17,16 @@
 // or the thread split: within a group, four partial sums by a fixed phase of the input index
 // (lo nibble of an even/odd unit, hi nibble of an even/odd unit), combined (p0 + p1) + (p2 + p3),
 // then acc = fma(scale, that, acc), acc = fma(bias, xsum, acc), groups in ascending order.
+//
+// Threads: pool.h (not at::parallel_for: its barrier costs a time slice on a shared machine),
+// chunks of block pairs.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
@@ -109,6 +113,29 @@ inline void rows(const float* X, const float* XS, const uint8_t* C, const float*
   }
 }
 
+struct Product {
+  const float* X;
+  const float* XS;
+  const uint8_t* C;
+  const float* SB;
+  float* Y;
+  int64_t M, K, N, NB, pairs_per_chunk;
+};
+
+void chunk(const void* ctx, int64_t c) {
+  const Product& p = *static_cast<const Product*>(ctx);
+  const int64_t pairs = (p.NB + 1) / 2;
+  for (int64_t q = c * p.pairs_per_chunk; q < std::min(pairs, (c + 1) * p.pairs_per_chunk); ++q) {
+    const int64_t b = 2 * q;
+    if (p.M == 1 && b + 1 < p.NB) {
+      rows<2>(p.X, p.XS, p.C, p.SB, p.Y, p.M, p.K, p.N, b);
+    } else {
+      rows<1>(p.X, p.XS, p.C, p.SB, p.Y, p.M, p.K, p.N, b);
+      if (b + 1 < p.NB) rows<1>(p.X, p.XS, p.C, p.SB, p.Y, p.M, p.K, p.N, b + 1);
+    }
+  }
+}
+
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "q4_linear: x fp32 CPU [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), G = K / GROUP, NB = (N + LANES - 1) / LANES;
@@ -134,20 +161,10 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::
   const uint8_t* C = codes.data_ptr<uint8_t>();
   const float* SB = sb.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  // Pairs of blocks, at least ~64 KB of codes per task, so two threads split any Qwen-sized layer.
+  // Chunks of block pairs, ~64 KB of codes each: cheap to claim, many per thread.
   const int64_t pairs = (NB + 1) / 2;
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>((65536 / (K * 8) + 1), (pairs + 1) / 2));
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = 2 * p;
-      if (M == 1 && b + 1 < NB) {
-        rows<2>(X, XS, C, SB, Y, M, K, N, b);
-      } else {
-        rows<1>(X, XS, C, SB, Y, M, K, N, b);
-        if (b + 1 < NB) rows<1>(X, XS, C, SB, Y, M, K, N, b + 1);
-      }
-    }
-  });
+  const Product p{X, XS, C, SB, Y, M, K, N, NB, std::max<int64_t>(1, 65536 / (K * 8))};
+  specmesh_pool::parallel_chunks((pairs + p.pairs_per_chunk - 1) / p.pairs_per_chunk, &chunk, &p);
   return y;
 }
 

@@ -1,0 +1,129 @@
+// A small thread pool for specmesh's CPU kernels, used by q4_gemm.cpp instead of at::parallel_for.
+// The same design as the pool inside small_gemm.cpp (which predates this header; it could include
+// it): an OpenMP region ends in a barrier that waits for every team thread, also one not scheduled
+// yet, which on a shared 2-core machine costs a scheduler time slice (ms) for a product that takes
+// 0.1-3 ms. Here the caller claims chunks itself and waits only for chunks another thread claimed.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <pthread.h>
+#include <thread>
+#include <vector>
+
+namespace specmesh_pool {
+
+// A job: chunks [0, chunks) of a product, claimed with `next`; `active` counts the workers inside.
+struct Job {
+  std::atomic<int64_t> next{0};
+  std::atomic<int> active{0};
+  int64_t chunks = 0;
+  void (*run)(const void*, int64_t) = nullptr;
+  const void* ctx = nullptr;
+  void work() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) run(ctx, c);
+  }
+};
+
+inline void relax() {  // a few pauses, then give the core to whoever else is runnable on it
+  for (int i = 0; i < 16; ++i) _mm_pause();
+  std::this_thread::yield();
+}
+
+class Pool {
+ public:
+  static constexpr int SPIN_US = 100;  // a worker spins this long for the next job before it sleeps
+
+  void run(Job& job, int threads) {
+    ensure(threads - 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &job;
+      ++gen_;
+    }
+    cv_.notify_all();
+    job.work();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = nullptr;  // from now on no worker joins this job
+    }
+    // Workers mid-chunk. Yield, not just spin: on a busy machine one may share this core with us.
+    while (job.active.load(std::memory_order_acquire) != 0) relax();
+  }
+
+ private:
+  void ensure(int workers) {
+    while (static_cast<int>(threads_.size()) < workers) {
+      threads_.emplace_back([this] { loop(); });
+      threads_.back().detach();  // lives as long as the process, like torch's own pools
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+      while (gen_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) relax();
+      Job* job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return gen_.load(std::memory_order_relaxed) != seen; });
+        seen = gen_.load(std::memory_order_relaxed);
+        job = job_;
+        if (job == nullptr) continue;  // that job is finished already
+        job->active.fetch_add(1, std::memory_order_acq_rel);
+      }
+      job->work();
+      job->active.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  Job* job_ = nullptr;
+  std::vector<std::thread> threads_;
+};
+
+inline Pool* g_pool = nullptr;       // never destroyed: detached workers may still read it at exit
+inline std::mutex* g_caller = nullptr;  // one product at a time uses the pool; others run on their own thread
+
+inline void fresh_pool() {  // also in a forked child, which has none of the parent's workers (and maybe a held lock)
+  g_pool = new Pool();
+  g_caller = new std::mutex();
+}
+
+inline Pool& pool() {
+  static const bool once = [] {
+    fresh_pool();
+    pthread_atfork(nullptr, nullptr, fresh_pool);
+    return true;
+  }();
+  (void)once;
+  return *g_pool;
+}
+
+
+// Runs run(ctx, c) for c in [0, chunks) on up to at::get_num_threads() threads.
+inline void parallel_chunks(int64_t chunks, void (*run)(const void*, int64_t), const void* ctx) {
+  Job job;
+  job.chunks = chunks;
+  job.run = run;
+  job.ctx = ctx;
+  const int threads = at::get_num_threads();
+  Pool& workers = pool();
+  std::unique_lock<std::mutex> lock(*g_caller, std::try_to_lock);
+  if (threads <= 1 || chunks <= 1 || !lock.owns_lock() || at::in_parallel_region()) {
+    job.work();
+  } else {
+    workers.run(job, threads);
+  }
+}
+
+}  // namespace specmesh_pool
