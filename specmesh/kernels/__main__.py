@@ -26,6 +26,9 @@ if kernels.load():
     print(f"specmesh kernels: active ({kernels.library_path()}, dispatch {kernels.describe()['mode']})")
 else:
     print(f"specmesh kernels: not used ({kernels.reason()})")
+from specmesh.kernels import q4  # noqa: E402 - the 4-bit kernel, built here too (the CPU image)
+
+print(f"specmesh 4-bit kernel: {f'active ({q4.library_path()})' if q4.load() else f'not used ({q4.reason()})'}")
 if args.report or args.target:
     if args.target:
         from specmesh.loader import load_model
