@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {cfg.dtype}, "
+    fmt = getattr(model, "weight_format", None)  # the model card: which weights, and what was requantized
+    weights = fmt.describe() if fmt is not None else cfg.dtype
+    print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {weights}, "
           f"process group {backend}, threads/rank={cfg.threads}, batching {'on' if batched else 'off'})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop

@@ -550,7 +550,8 @@ def test_model_drafter_greedy_and_sampling(model) -> None:
             accepted, bonus = h, fresh(ctx + h, 1, 1).tokens[0]
         else:
             accepted, bonus = h[:1], 7
-        r = s.ask("m", commit=drafter_pb2.CommitStep(step=step, accepted=accepted, bonus=bonus, budget=8, depth=4))
+        r = s.ask("m", commit=drafter_pb2.CommitStep(step=step, accepted=accepted, bonus=bonus, budget=8, depth=4,
+                                                     verify_s=MODEL_VERIFY_S))  # the planner weighs it
         ctx += accepted + [bonus]
         hits += r.predrafted
     assert hits >= 2, "the predraft (5 forwards of a tiny model) should be ready in time"
@@ -563,7 +564,8 @@ def test_model_drafter_greedy_and_sampling(model) -> None:
         validate_tree(tree, 256, 8, 4, need_q=True)
         time.sleep(MODEL_VERIFY_S)
         h = [tree.tokens[i] for i in main_path(tree)]
-        r = s.ask("t", commit=drafter_pb2.CommitStep(step=step, accepted=h, bonus=tree.tokens[0], budget=8, depth=4))
+        r = s.ask("t", commit=drafter_pb2.CommitStep(step=step, accepted=h, bonus=tree.tokens[0], budget=8, depth=4,
+                                                     verify_s=MODEL_VERIFY_S))
     assert s.ask("t", commit=drafter_pb2.CommitStep(step=6, bonus=256, budget=8, depth=4)).error.startswith("bonus:")
     s.close()
 
