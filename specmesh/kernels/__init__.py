@@ -38,6 +38,7 @@ from specmesh.kernels import dispatch as _dispatch
 
 SMALL_M_MAX = 17  # a 16-node tree + the pending token; at 17 rows still faster than MKL on every SmolLM2 shape
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
+_POOL = Path(__file__).with_name("pool.h")  # included by both kernels' sources
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 
@@ -60,7 +61,8 @@ def _cache_dir() -> Path:
 
 def library_path() -> Path:
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(_FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
+        _SOURCE.read_bytes() + _POOL.read_bytes()
+        + " ".join(_FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"small_gemm-{key}.so"
 

@@ -1,8 +1,8 @@
-// A small thread pool for specmesh's CPU kernels, used by q4_gemm.cpp instead of at::parallel_for.
-// The same design as the pool inside small_gemm.cpp (which predates this header; it could include
-// it): an OpenMP region ends in a barrier that waits for every team thread, also one not scheduled
-// yet, which on a shared 2-core machine costs a scheduler time slice (ms) for a product that takes
-// 0.1-3 ms. Here the caller claims chunks itself and waits only for chunks another thread claimed.
+// A small thread pool for specmesh's CPU kernels (small_gemm.cpp, q4_gemm.cpp) instead of
+// at::parallel_for: an OpenMP region ends in a barrier that waits for every team thread, also one not
+// scheduled yet, which on a shared 2-core machine costs a scheduler time slice (ms) for a product
+// that takes 0.1-3 ms. Here the caller claims chunks itself and waits only for chunks another
+// thread claimed. Each library that includes it has its own pool.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -9,23 +9,19 @@
 // the blocking or the thread split: a row's result does not depend on which rows are computed
 // with it (batch invariance).
 //
-// Threads: our own small pool, not at::parallel_for. An OpenMP region ends in a barrier that waits
-// for every team thread, also one that has not been scheduled yet; on a shared 2-core machine that
-// wait is a scheduler time slice (ms) for a product that takes 0.1-3 ms on one core. Here the
-// caller claims chunks of weight rows itself and waits only for chunks another thread has claimed,
-// so a product never takes longer than on one thread plus a few microseconds, and a free core
-// halves it.
+// Threads: our own small pool (pool.h, shared with q4_gemm.cpp), not at::parallel_for. An OpenMP
+// region ends in a barrier that waits for every team thread, also one that has not been scheduled
+// yet; on a shared 2-core machine that wait is a scheduler time slice (ms) for a product that takes
+// 0.1-3 ms on one core. Here the caller claims chunks of weight rows itself and waits only for
+// chunks another thread has claimed, so a product never takes longer than on one thread plus a few
+// microseconds, and a free core halves it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
-#include <pthread.h>
-#include <thread>
+#include "pool.h"
+
 #include <vector>
 
 namespace {
@@ -79,96 +75,6 @@ inline void block(const float* X, const float* W, float* Y, int64_t M, int64_t K
   }
 }
 
-// A job: chunks [0, chunks) of a product, claimed with `next`; `active` counts the workers inside.
-struct Job {
-  std::atomic<int64_t> next{0};
-  std::atomic<int> active{0};
-  int64_t chunks = 0;
-  void (*run)(const void*, int64_t) = nullptr;
-  const void* ctx = nullptr;
-  void work() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) run(ctx, c);
-  }
-};
-
-inline void relax() {  // a few pauses, then give the core to whoever else is runnable on it
-  for (int i = 0; i < 16; ++i) _mm_pause();
-  std::this_thread::yield();
-}
-
-class Pool {
- public:
-  static constexpr int SPIN_US = 100;  // a worker spins this long for the next job before it sleeps
-
-  void run(Job& job, int threads) {
-    ensure(threads - 1);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = &job;
-      ++gen_;
-    }
-    cv_.notify_all();
-    job.work();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = nullptr;  // from now on no worker joins this job
-    }
-    // Workers mid-chunk. Yield, not just spin: on a busy machine one may share this core with us.
-    while (job.active.load(std::memory_order_acquire) != 0) relax();
-  }
-
- private:
-  void ensure(int workers) {
-    while (static_cast<int>(threads_.size()) < workers) {
-      threads_.emplace_back([this] { loop(); });
-      threads_.back().detach();  // lives as long as the process, like torch's own pools
-    }
-  }
-
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
-      while (gen_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) relax();
-      Job* job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return gen_.load(std::memory_order_relaxed) != seen; });
-        seen = gen_.load(std::memory_order_relaxed);
-        job = job_;
-        if (job == nullptr) continue;  // that job is finished already
-        job->active.fetch_add(1, std::memory_order_acq_rel);
-      }
-      job->work();
-      job->active.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{0};
-  Job* job_ = nullptr;
-  std::vector<std::thread> threads_;
-};
-
-Pool* g_pool = nullptr;        // never destroyed: detached workers may still read it at exit
-std::mutex* g_caller = nullptr;  // one product at a time uses the pool; others run on their own thread
-
-void fresh_pool() {  // also in a forked child, which has none of the parent's workers (and maybe a held lock)
-  g_pool = new Pool();
-  g_caller = new std::mutex();
-}
-
-Pool& pool() {
-  static const bool once = [] {
-    fresh_pool();
-    pthread_atfork(nullptr, nullptr, fresh_pool);
-    return true;
-  }();
-  (void)once;
-  return *g_pool;
-}
-
 constexpr int64_t CHUNK_BYTES = 256 << 10;  // weight bytes per chunk: the claim and hand-off cost stays small
 
 struct Product {
@@ -187,18 +93,7 @@ void chunk(const void* ctx, int64_t c) {
 
 template <int R, int T>
 void parallel_blocks(const Product& p) {
-  const int threads = at::get_num_threads();
-  Job job;
-  job.chunks = (p.N / R * R + p.rows_per_chunk - 1) / p.rows_per_chunk;
-  job.run = &chunk<R, T>;
-  job.ctx = &p;
-  Pool& workers = pool();
-  std::unique_lock<std::mutex> lock(*g_caller, std::try_to_lock);
-  if (threads <= 1 || job.chunks <= 1 || !lock.owns_lock() || at::in_parallel_region()) {
-    job.work();
-  } else {
-    workers.run(job, threads);
-  }
+  specmesh_pool::parallel_chunks((p.N / R * R + p.rows_per_chunk - 1) / p.rows_per_chunk, &chunk<R, T>, &p);
 }
 
 at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w) {
