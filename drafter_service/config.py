@@ -27,7 +27,7 @@ class DrafterServiceConfig:
     idle_timeout_s: float = 600.0
     threads: int = 1  # torch threads
     device: str = "auto"  # model drafters: auto (cuda when available) | cpu | cuda (specmesh.device)
-    dtype: str = "float32"  # model drafters: float32 | bfloat16 | float16
+    dtype: str = "float32"  # model drafters: specmesh.device.DTYPES (auto: runtime.load_model_drafter)
     max_streams: int = 64  # concurrent Draft streams (one worker thread each)
     grace_s: float = 2.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES

@@ -13,7 +13,9 @@ verification (other kernels, other reduction orders) flip near-ties, so speculat
 decoding can part ways. `--dtype bfloat16` halves memory traffic and is the usual choice on GPUs
 (vLLM's `auto` takes the checkpoint's dtype); with it the output is the target's up to those
 numerics, as in every GPU serving engine. `--dtype int8|int4`: weight-only quantized Linear
-layers (`specmesh.quant`, CPU); a GGUF loads straight into them.
+layers (`specmesh.quant`, CPU); a GGUF loads straight into them. `--dtype auto`: on a CPU, the
+fastest format measured here that keeps the checkpoint's own numerics (`loader.auto_format`: int4
+for a 4-bit GGUF where its kernel wins, else float32); float32 on a GPU and under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 # A float dtype puts the whole model in it; a weight format (`specmesh.quant`) only its Linear
 # weights, the rest staying fp32. int8 / int4 run on CPU kernels only.
 DTYPES: dict[str, torch.dtype | str] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                        "float16": torch.float16, "int8": "int8", "int4": "int4"}
+                                        "float16": torch.float16, "int8": "int8", "int4": "int4",
+                                        "auto": "auto"}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -140,11 +142,14 @@ def model_from_hf(hf_cfg, state_dict: dict[str, torch.Tensor], dtype: torch.dtyp
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32) -> Transformer:
-    """`dtype`: a torch float dtype (the whole model in it), or a weight format of
-    `specmesh.quant.FORMATS` (Linear weights in it, the rest fp32; a GGUF loads straight into it)."""
+    """`dtype`: a torch float dtype (the whole model in it), a weight format of
+    `specmesh.quant.FORMATS` (Linear weights in it, the rest fp32; a GGUF loads straight into it),
+    or "auto" (`auto_format`)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    if dtype == "auto":
+        dtype = auto_format(path)
     if isinstance(dtype, str):
         p = Path(path)
         if p.is_file() and p.suffix == ".gguf":
@@ -273,6 +278,76 @@ def _gguf_config(gguf: Path):
     except OSError:  # a concurrent first load finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return hf_cfg
+
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF blocks that `int4` holds with the file's own codes
+
+
+def int4_wins(n: int, k: int) -> bool:
+    """Whether an int4 layer of weight shape [n, k] measured faster than fp32's path on this machine
+    (`quant.int4_vs_fp32`), timed once per CPU, thread count, torch and SPECMESH_KERNELS, cached
+    beside the kernels; one stderr line says what was measured."""
+    from specmesh.kernels import dispatch
+    from specmesh.quant import int4_vs_fp32
+
+    key = {"what": "int4_vs_fp32", "shape": [n, k], "cpu": dispatch.cpu_model(), "flags": dispatch.cpu_flags(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "kernels": os.environ.get("SPECMESH_KERNELS", "auto")}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cached = kernels._cache_dir() / f"auto-format-{digest}.json"
+    try:
+        result = json.loads(cached.read_text())["result"]
+    except (OSError, ValueError, KeyError):
+        result = int4_vs_fp32(n, k)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "result": result}, indent=1))
+        os.replace(tmp, cached)
+    print(f"specmesh: int4 {result['int4_us']} us vs fp32 {result['fp32_us']} us per {n}x{k} product by rows "
+          f"({dispatch.cpu_model()}, {torch.get_num_threads()} threads): {result['choice']}", file=sys.stderr, flush=True)
+    return result["choice"] == "int4"
+
+
+def _matrices(path: Path) -> list:
+    from gguf import GGUFReader
+
+    return [t for t in GGUFReader(path).tensors
+            if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))]
+
+
+def _size(t) -> int:
+    return int(t.shape[0]) * int(t.shape[1])
+
+
+def auto_format(path: str | os.PathLike) -> torch.dtype | str:
+    """`--dtype auto` for a target: the fastest format on this machine that keeps the checkpoint's own
+    numerics. For a GGUF whose Linear weights are mostly 4-bit block types (`INT4_TYPES`), `int4`
+    when an int4 layer of the largest such shape measured faster than fp32's path (`int4_wins`),
+    else fp32; any other checkpoint fp32 (int4 or int8 there would requantize it)."""
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".gguf"):
+        return torch.float32
+    mats = _matrices(p)
+    four = [t for t in mats if t.tensor_type.name in INT4_TYPES]
+    if not four or sum(map(_size, four)) < 0.5 * sum(map(_size, mats)):  # int4 would keep most of it fp32
+        return torch.float32
+    big = max(four, key=_size)
+    return "int4" if int4_wins(int(big.shape[1]), int(big.shape[0])) else torch.float32
+
+
+def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> Transformer:
+    """A drafter's model. `auto`: a drafter's numerics only change how often its proposals are
+    accepted, never the output, so it may be requantized: int4 (the file's own 4-bit codes where it
+    has them, every other Linear requantized to 4 bits) when int4 measured faster here on its
+    largest Linear shape, else fp32."""
+    if dtype != "auto":
+        return load_model(path, dtype)
+    model = load_model(path, torch.float32)
+    shapes = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0]
+    if not shapes:
+        return model
+    n, k = max(shapes, key=lambda s: s[0] * s[1] if s[0] < model.config.vocab_size else 0)
+    return quantize_model(model, "int4") if int4_wins(n, k) else model
 
 
 def load_gguf(path: Path, fmt: str) -> Transformer:

@@ -255,3 +255,36 @@ class GGUFEmbedding(nn.Module):
         rows = self.raw[tokens.reshape(-1).cpu().numpy()]
         out = np.asarray(dequantize(rows, self.qtype), dtype=np.float32).reshape(*tokens.shape, self.embedding_dim)
         return torch.from_numpy(out.copy())  # [T, dim]
+
+
+AUTO_ROWS = (1, 9)  # a decode step and the default tree (8 nodes + the pending token)
+AUTO_MARGIN = 0.05  # int4 must be this much faster than fp32 to be chosen
+
+
+def int4_vs_fp32(n: int, k: int, copies_bytes: int = 96 << 20) -> dict:
+    """Time an int4 layer against fp32's path (`specmesh.kernels.linear`: the measured fp32 choice)
+    for one weight shape on this machine: interleaved calls at AUTO_ROWS, each on the next of as
+    many copies as fill `copies_bytes` (so the weights come from memory, not cache, as in a whole
+    model's forward), medians. Returns {"int4_us": {rows: us}, "fp32_us": {...}, "choice"}."""
+    import statistics
+    import time
+
+    from specmesh import kernels
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02  # [N, K]
+    fp32 = [w.clone() for _ in range(max(2, copies_bytes // (4 * n * k)))]
+    q4 = [QuantLinear.from_float(w, None, "int4") for _ in range(max(2, copies_bytes // (n * k // 2)))]
+    times: dict[str, dict[int, list[float]]] = {"int4": {m: [] for m in AUTO_ROWS}, "fp32": {m: [] for m in AUTO_ROWS}}
+    for rep in range(7):
+        for m in AUTO_ROWS:
+            x = torch.randn(m, k, generator=g)
+            for path, layers in (("int4", q4), ("fp32", fp32)):
+                layer = layers[rep % len(layers)]
+                t = time.perf_counter()
+                layer(x) if path == "int4" else kernels.linear(x, layer)
+                times[path][m].append(time.perf_counter() - t)
+    out = {f"{p}_us": {str(m): round(1e6 * statistics.median(v[1:]), 1) for m, v in d.items()} for p, d in times.items()}
+    total = {p: sum(out[f"{p}_us"].values()) for p in ("int4", "fp32")}
+    out["choice"] = "int4" if total["int4"] < (1 - AUTO_MARGIN) * total["fp32"] else "fp32"
+    return out

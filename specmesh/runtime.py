@@ -12,7 +12,7 @@ from specmesh.device import place
 from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.drafters.base import Drafter
 from specmesh.engine import StopConditions, generate
-from specmesh.loader import bundled_target_path, load_model, load_tokenizer
+from specmesh.loader import bundled_target_path, load_drafter_weights, load_model, load_tokenizer
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
 
@@ -59,11 +59,14 @@ def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] 
     raise ValueError(f"drafter: unknown kind {kind!r}")
 
 
-def load_model_drafter(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_model_drafter(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32):
     """`model:PATH`: a small causal LM (`ModelDrafter`) or, when its config says specmesh.kind =
-    "feature", a feature drafter (`FeatureDrafter`, EAGLE-style); computing on `device`."""
+    "feature", a feature drafter (`FeatureDrafter`, EAGLE-style); computing on `device`, weights as
+    `dtype` (`loader.load_drafter_weights`: "auto" may requantize a drafter)."""
     from specmesh.drafters.feature import FeatureDrafter
     from specmesh.drafters.model import ModelDrafter
 
-    draft = place(load_model(path, dtype), torch.device(device))
+    if dtype == "auto" and torch.device(device).type != "cpu":
+        dtype = torch.float32  # the quantized formats run on CPU kernels only
+    draft = place(load_drafter_weights(path, dtype), torch.device(device))
     return FeatureDrafter(draft) if draft.fc is not None else ModelDrafter(draft)

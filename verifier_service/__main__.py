@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(path)
     batched = cfg.batched and device.type == "cpu"  # specmesh.batching drives a CPU model
     grouped = cfg.tp > 1 or device.type == "cuda"  # a TPModel: several ranks, or the one-rank NCCL group
+    if dtype == "auto" and grouped:
+        dtype = torch.float32  # the quantized formats run on one CPU rank only (tp.py shards float weights)
     backend = ("nccl" if device.type == "cuda" else "gloo") if grouped else "none"
     if grouped:
         from verifier_service.tp_group import start_tp
