@@ -165,8 +165,25 @@ def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: froze
     return _timed(llama_chunks(r.runner, ids, n, stop), r)
 
 
-def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print) -> dict:
-    """Start the pair's services, run every row on every prompt (interleaved), stop them; the pair's report."""
+def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
+    """In-process rows in the services' weight format `dtype` (beside the fp32 ones), when it is not fp32."""
+    from specmesh.drafters.feature import FeatureDrafter
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.loader import load_drafter_weights, load_model
+
+    target = load_model(pair.target, dtype)
+    draft = load_drafter_weights(pair.drafter, dtype)
+    drafter = FeatureDrafter(draft) if draft.fc is not None else ModelDrafter(draft)
+    fmt = target.weight_format.describe() if getattr(target, "weight_format", None) else dtype
+    return [Row(f"in-process none, {fmt} ({threads} threads)", "inproc", threads=threads, runner=(target, None)),
+            Row(f"in-process speculative, {fmt} ({threads} threads)", "inproc", "drafter", shape="default",
+                threads=threads, runner=(target, drafter))]
+
+
+def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
+               dtype: str = "float32") -> dict:
+    """Start the pair's services (weights as `dtype`), run every row on every prompt (interleaved),
+    stop them; the pair's report."""
     from specmesh.runtime import encode_prompt
 
     from specmesh.engine import SpecConfig
@@ -174,11 +191,15 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     tok = load_tokenizer_of(pair)
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
     loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
+    if dtype != "float32":
+        loaded.rows[2:2] = format_rows(loaded, dtype, threads)
     rows = service_rows() + loaded.rows
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
-    procs = {"tp1": start("verifier_service", "--threads", "1", "--target", loaded.target),
-             "drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", "1")}
+    procs = {"tp1": start("verifier_service", "--threads", "1", "--target", loaded.target, "--dtype", dtype),
+             "drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", "1",
+                              "--dtype", dtype)}
+    banner = next((line.strip() for line in procs["tp1"].lines if "listening on" in line), "")
     try:
         address = {k: p.address for k, p in procs.items()}
         for r in live:  # warm-up, untimed: first calls allocate and initialise kernels
@@ -201,6 +222,7 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
         for p in procs.values():
             p.stop()
     return {"pair": pair, "target": loaded.target, "drafter": loaded.drafter, "stop_ids": sorted(stop),
+            "services_dtype": dtype, "verifier_banner": banner,
             "default_shape": f"services: the verifier's defaults (no budget/depth sent); in-process: "
                              f"budget {spec.budget}, depth {spec.depth} (specmesh.engine.SpecConfig)",
             "results": summarise(rows, len(prompts))}
@@ -232,7 +254,8 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
             if r.where in ("tp1", "inproc"):
                 d["identical_to_autoregressive"] = r.identical
         if r.where in ("tp1", "inproc") and r.steps:
-            base = ar if r.where == "tp1" else inproc_none  # each runtime's own plain decode step is its unit
+            # each runtime's own plain decode step (in its own weight format) is its unit
+            base = ar if r.where == "tp1" else by.get(r.name.replace("speculative", "none"), inproc_none)
             bt, bs = base.decode_rate()
             unit, speedup = bs / bt, (dt / ds) / (bt / bs)
             e, v = r.tokens / r.steps, r.verify_s / r.steps / unit
@@ -425,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "bench_pairs.json"))
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 2 prompts x 12 tokens")
     ap.add_argument("--skip-peers", action="store_true", help="no transformers or llama.cpp rows")
+    ap.add_argument("--dtype", default="float32",
+                    help="the services' weights (verifier and drafter --dtype; auto: measured here), and "
+                         "in-process rows in that format beside the fp32 ones")
     ap.add_argument("--markdown", metavar="JSON", default=None, help="print the table of a saved result and exit")
     args = ap.parse_args(argv)
     if args.markdown:
@@ -450,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             report_pairs.append({"pair": pair, "status": f"not installed: {e}"})
             continue
         report = bench_pair(pair, texts, n, threads, not args.skip_peers,
-                            log=lambda line: print(line, file=sys.stderr, flush=True))
+                            log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype)
         report["checks"] = checks(report["results"])
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
