@@ -45,8 +45,11 @@ class DrafterMetrics:
         r.add(Gauge(PREFIX + "draft_cost_seconds", "Fitted draft call cost: seconds per level, per row fed, per call.",
                     lambda: {(call, k): fit.coef[i] for call, fit in (("draft", costs.draft), ("draft_many", costs.draft_many))
                              for k, i in terms.items()}, ("call", "term")))
-        r.add(Gauge(PREFIX + "verify_cost_seconds", "Fitted target verification cost reported by verifiers: base and per row.",
-                    lambda: {("base",): costs.verify.coef[0], ("row",): costs.verify.coef[1]}, ("term",)))
+        r.add(Gauge(PREFIX + "verify_cost_seconds",
+                    "Fitted target verification cost reported by verifiers (alone or beside a predraft): base, per row.",
+                    lambda: {(when, term): fit.coef[i] for when, fit in (("alone", costs.verify),
+                                                                        ("overlapped", costs.verify_overlapped))
+                             for term, i in (("base", 0), ("row", 1))}, ("when", "term")))
         r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
                     lambda: costs.link_s))
         r.add(Gauge(PREFIX + "acceptance", "Recent sessions' acceptance given the parent accepted and elder siblings not.",

@@ -112,7 +112,16 @@ class Costs:
     draft: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.0)))  # levels, rows, 1
     draft_many: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.0)))
     verify: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))  # 1, rows
+    # the same while the drafter predrafted beside it: on a CPU the two share memory bandwidth
+    # (and maybe a core), so an overlapped verification can cost more than one alone
+    verify_overlapped: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))
     link_s: float = 0.002
+
+    def verify_s(self, rows: float, overlapped: bool) -> float:
+        """A verification's cost by rows, overlapped with predrafting or not (each fit stands in for
+        the other until that one has samples)."""
+        use_overlapped = self.verify_overlapped.samples and (overlapped or not self.verify.samples)
+        return (self.verify_overlapped if use_overlapped else self.verify)(1.0, rows)
 
     def many(self, levels: float, rows: float) -> float:
         """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
@@ -298,10 +307,11 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
-        v = costs.verify(1.0, 1 + len(t.parents)) + costs.link_s
+        v = costs.verify_s(1 + len(t.parents), False) + costs.link_s
         fresh = costs.draft(len(t.per_level), sum(t.per_level), 1.0)
         options = [Plan(b, d, (), 0, e, v + fresh)]
         if pipelined and t.parents:
+            v = costs.verify_s(1 + len(t.parents), True) + costs.link_s
             odds = sorted(outcome_odds(t, table), key=lambda o: -o[1])
             for branches in range(1, MAX_BRANCHES + 1):
                 pre_levels = topology(*predraft_shape(b, d, branches)).per_level

@@ -153,3 +153,15 @@ def test_plan_maximises_the_tokens_per_second_it_predicts() -> None:
         for d in range(1, min(b, 5) + 1):
             other = plan(costs, acc, b, d, pipelined=True, batched=True, fixed=True)
             assert other.tokens_per_s <= best.tokens_per_s + 1e-9
+
+
+def test_a_verification_slowed_by_predrafting_beside_it_turns_pipelining_off() -> None:
+    """On a CPU the drafter's predrafts share memory bandwidth with the verification: once the
+    overlapped verifications measure slow enough, drafting in turn is planned instead."""
+    acc = _acceptance(0.8)
+    costs = _costs(0.01, 0.002, 0.05)
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes  # not measured apart yet
+    for rows in (1.0, 5.0, 9.0) * 10:
+        costs.verify.add((1.0, rows), 0.05)  # alone
+        costs.verify_overlapped.add((1.0, rows), 0.12)  # beside a predraft: more than double
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes == ()

@@ -305,7 +305,10 @@ def test_the_link_is_measured_to_the_commits_arrival() -> None:
         h = [st.tree.tokens[i] for i in main_path(st.tree)]
         st = ahead.commit(step, h, 99, 4, 4, arrived_at=arrived, verify_s=0.01)
     assert 0.012 < ahead.costs.link_s < 0.025, ahead.costs.link_s
-    assert ahead.costs.verify(1.0, 5.0) == pytest.approx(0.01, rel=0.05)
+    c = ahead.costs  # verifications beside a predraft and alone are fitted apart; both saw 10 ms
+    assert c.verify.samples + c.verify_overlapped.samples == 6
+    for fit in (f for f in (c.verify, c.verify_overlapped) if f.samples):
+        assert fit(1.0, 5.0) == pytest.approx(0.01, rel=0.05)
 
 
 def test_draft_ahead_errors() -> None:

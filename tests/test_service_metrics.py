@@ -148,7 +148,7 @@ def test_drafter_exports_what_its_planner_weighs():
     p = "specmesh_drafter_"
     assert s[p + 'draft_cost_seconds{call="draft",term="level"}'] == costs.draft.coef[0]
     rows = 1 + len(st.tree)  # the pending token and the nodes
-    assert s[p + 'verify_cost_seconds{term="base"}'] + rows * s[p + 'verify_cost_seconds{term="row"}'] == \
+    assert s[p + 'verify_cost_seconds{when="alone",term="base"}'] + rows * s[p + 'verify_cost_seconds{when="alone",term="row"}'] == \
         pytest.approx(0.25, rel=1e-2)
     assert s[p + 'acceptance{depth="1",rank="0"}'] == pytest.approx(recent.rate(1, 0))
     assert s[p + 'acceptance{depth="2",rank="0"}'] == pytest.approx(recent.rate(2, 0))

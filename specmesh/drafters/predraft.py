@@ -246,6 +246,7 @@ class DraftAhead:
         self._held = 0  # tokens of H the session holds beyond `position`
         self._closed = False
         self._sent_at = 0.0
+        self._overlapped = False
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -344,6 +345,7 @@ class DraftAhead:
                 trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
                                                 self.params, self.generator, excludes, branches)
             self._add_draft_cost(trees, time.perf_counter() - t, many=len(ks) > 1)
+            self._overlapped = True
             for k, tree in zip(ks, trees):
                 made = Predraft(self.step, self._path[:k], self.position + k, tree, self.plan.depth)
                 self._predrafts[tuple(made.accepted)] = made
@@ -402,7 +404,8 @@ class DraftAhead:
             self.recent.observe(self._tree.parents, nodes)
             self.recent.decay(RECENT_OBSERVATIONS)
         if verify_s > 0:
-            self.costs.verify.add((1.0, 1.0 + len(self._tree)), verify_s)
+            fit = self.costs.verify_overlapped if self._overlapped else self.costs.verify
+            fit.add((1.0, 1.0 + len(self._tree)), verify_s)
             self.costs.add_link(arrived - self._sent_at - verify_s)
 
     def _add_draft_cost(self, trees: list[DraftTree], seconds: float, many: bool = False) -> None:
@@ -437,6 +440,7 @@ class DraftAhead:
         self.plan = self._plan(budget, depth)
         self._todo = self._outcomes(self.plan) if self.pipelined and tree.tokens else []
         self._sent_at = time.perf_counter()
+        self._overlapped = False  # whether a predraft ran while this tree was being verified
         return StepTree(self.step, self.position, tree, predrafted)
 
     def _outcomes(self, plan: Plan) -> list[int]:
