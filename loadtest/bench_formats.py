@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specmesh.kernels.dispatch import cpu_flags, cpu_model
 
 SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]  # (N out, K in)
 ROWS = [1, 2, 5, 9, 17]
@@ -39,28 +40,6 @@ SLOW_FORMATS = ("int8_x32", "int4_x32", "torchao_int8", "torchao_int8_x16", "tor
 SLOW_MAX_WEIGHTS = 1536 * 1536
 
 Op = Callable[[torch.Tensor], torch.Tensor]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                                          "amx_int8", "avx_vnni") if f in have)
-    except OSError:
-        pass
-    return []
 
 
 def _int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "ms": round(t * 1e3, 4), "vs_fp32": round(base / t, 3),
                       "rounds_ms": [round(x * 1e3, 4) for x in ts]})
     result = {
-        "cpu": cpu_name(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__,
         "torchao": __import__("torchao").__version__ if with_torchao else None,
         "small_m_kernel": kernels.active(), "q4_kernel": q4.available(), "rounds": rounds, "group_size": GROUP,
         "cells": cells,

@@ -346,28 +346,25 @@ def llama_chunks(llm, ids: list[int], max_tokens: int, stop: frozenset[int]):
 
 
 def machine_info() -> dict:
-    """CPU model and vector flags (lscpu, /proc/cpuinfo), threads, library versions, HEAD."""
+    """CPU model and vector flags (as the kernel dispatch keys them), threads, library versions, HEAD."""
     import transformers
 
-    def run(*cmd: str) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return ""
+    from specmesh.kernels.dispatch import cpu_flags, cpu_model
 
-    model = next((line.split(":", 1)[1].strip() for line in run("lscpu").splitlines()
-                  if line.startswith("Model name")), "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])) if Path("/proc/cpuinfo").exists() else set()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    flags = cpu_flags()
     try:
         import llama_cpp
         llama = llama_cpp.__version__
     except ImportError:
         llama = "not installed"
-    return {"cpu_model": model, "avx2": "avx2" in flags, "avx512": sorted(f for f in flags if f.startswith("avx512")),
-            "amx": sorted(f for f in flags if f.startswith("amx")), "machine_threads": os.cpu_count(),
-            "commit_full": run("git", "rev-parse", "HEAD").strip() or "unknown",
-            "torch": torch.__version__, "transformers": transformers.__version__, "llama_cpp_python": llama}
+    return {"cpu_model": cpu_model(), "avx2": "avx2" in flags, "avx512": [f for f in flags if f.startswith("avx512")],
+            "amx": [f for f in flags if f.startswith("amx")], "machine_threads": os.cpu_count(),
+            "commit_full": commit, "torch": torch.__version__, "transformers": transformers.__version__,
+            "llama_cpp_python": llama}
 
 
 def checks(results: list[dict]) -> dict:

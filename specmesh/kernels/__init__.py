@@ -88,13 +88,17 @@ def _compile(out: Path, source: Path = _SOURCE) -> None:
         os.replace(tmp_out, out)
 
 
+def build_library(path: Path, source: Path, what: str) -> Path:
+    """Compile `source` into `path` if it is not cached yet (saying so: it takes ~30 s); `path`."""
+    if not path.is_file():
+        print(f"specmesh: compiling the {what} (once, ~30 s) ...", file=sys.stderr, flush=True)
+        _compile(path, source)
+    return path
+
+
 def build() -> Path:
     """Compile the kernel library if it is not cached yet; return its path."""
-    path = library_path()
-    if not path.is_file():
-        print("specmesh: compiling the small-M CPU kernel (once, ~30 s) ...", file=sys.stderr, flush=True)
-        _compile(path)
-    return path
+    return build_library(library_path(), _SOURCE, "small-M CPU kernel")
 
 
 def load() -> bool:

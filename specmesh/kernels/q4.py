@@ -55,11 +55,7 @@ def library_path() -> Path:
 
 
 def build() -> Path:
-    path = library_path()
-    if not path.is_file():
-        print("specmesh: compiling the 4-bit CPU kernel (once, ~30 s) ...", file=sys.stderr, flush=True)
-        _k._compile(path, _SOURCE)
-    return path
+    return _k.build_library(library_path(), _SOURCE, "4-bit CPU kernel")
 
 
 def load() -> bool:
