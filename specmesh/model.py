@@ -115,6 +115,31 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
+ROW_ATTENTION_MAX = 64  # segments of up to this many rows attend row by row (`_attention_by_row`)
+
+
+def _attention_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      start: int) -> torch.Tensor:
+    """Attention of q [H, T, D] over keys/values [H_kv, S, D], each row computed alone over exactly
+    the keys it sees, gathered in slot order into a contiguous [H_kv, S_i, D]: the same call, on the
+    same values, as decoding that token by itself. A batched kernel sums over a row's keys in an
+    order that depends on T and on where the masked-out keys lie, so a tree's rows would differ from
+    one-token decoding in the last bits; with 8-bit activations (`gguf`) such bits can flip a
+    rounding and grow into different tokens. Decode steps and trees are small; prefills of more
+    than ROW_ATTENTION_MAX rows use the batched kernel (run alike for plain and speculative decoding)."""
+    gqa = q.shape[0] != keys.shape[0]
+    out = []
+    for i in range(q.shape[1]):
+        if mask is None:  # causal: slots [0, start + i]
+            k_i, v_i = keys[:, :start + i + 1].contiguous(), values[:, :start + i + 1].contiguous()
+        else:
+            idx = mask[i].nonzero().squeeze(1)
+            k_i, v_i = keys.index_select(1, idx), values.index_select(1, idx)
+        out.append(F.scaled_dot_product_attention(q[:, i:i + 1].unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0),
+                                                  enable_gqa=gqa)[0])  # [H, 1, D]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -144,10 +169,13 @@ class Attention(nn.Module):
             n = s.tokens.shape[0]
             s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
             keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
-            outs.append(F.scaled_dot_product_attention(
-                q[:, row:row + n].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=s.mask, enable_gqa=q.shape[0] != keys.shape[0],
-            )[0])  # [H, n, D]
+            if n <= ROW_ATTENTION_MAX:
+                outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.mask, s.start))
+            else:
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, row:row + n].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                    attn_mask=s.mask, enable_gqa=q.shape[0] != keys.shape[0],
+                )[0])  # [H, n, D]
             row += n
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [H, T, D]
         return self.o_proj(out.transpose(0, 1).reshape(t, -1))
