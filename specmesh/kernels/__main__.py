@@ -29,6 +29,10 @@ else:
 from specmesh.kernels import q4  # noqa: E402 - the 4-bit kernel, built here too (the CPU image)
 
 print(f"specmesh 4-bit kernel: {f'active ({q4.library_path()})' if q4.load() else f'not used ({q4.reason()})'}")
+from specmesh.kernels import ggml, qdot  # noqa: E402 - the integer kernel (--dtype gguf), and ggml's where installed
+
+print(f"specmesh integer kernel: {f'active ({qdot.library_path()})' if qdot.load() else f'not used ({qdot.reason()})'}")
+print(f"ggml kernels: {f'active ({ggml.provider()})' if ggml.load() else f'not used ({ggml.reason()})'}")
 if args.report or args.target:
     if args.target:
         from specmesh.loader import load_model

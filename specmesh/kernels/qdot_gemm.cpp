@@ -1,0 +1,208 @@
+// specmesh integer small-M linear (AVX2): y[M, N] = x[M, K] @ W^T with W as unsigned integer codes,
+// w[n, k] = q[n, k] * scale[n, k / GS] + bias[n, k / GS], and x quantized per row to int8 in blocks of
+// 32 (xq = round(x * 127 / max|x|), one fp32 step dx per block), the way llama.cpp multiplies GGUF
+// blocks. Three code layouts:
+//   BITS 4: q in 0..15, GS 32 (GGUF Q4_0 / Q4_1 / Q4_K), two codes a byte;
+//   BITS 6: q in 0..63, GS 16 (GGUF Q6_K, Q5_0 / Q5_1 as pairs of 16-groups), one byte a code;
+//   BITS 8: q in -128..127, GS 16 (GGUF Q8_0 as pairs of 16-groups), one signed byte a code.
+// y[m, n] = sum_g scale[n, g] * dx[m, g] * (sum_k in g q[n, k] xq[m, k]) + bias[n, g] * xs[m, g],
+// xs = dx * sum of xq over the group. The integer sums are exact; the fp32 part is, per output, one
+// fixed sequence (groups ascending, two FMAs each) whatever M, the tiling or the thread split: the
+// product is batch-invariant, so a tree's rows equal the same rows decoded one at a time.
+//
+// Why this and not ggml's vec_dot (specmesh.kernels.ggml) for every row count: a dot product per
+// output unpacks a weight block again for every activation row, so M rows cost ~M times one. Here a
+// block of 8 output rows is unpacked once and meets up to 4 activation rows; an extra row costs a
+// maddubs and an add per 32 weights.
+//
+// Layout (specmesh.kernels.qdot.pack): output rows in blocks of 8, one 32-bit lane per row, so a
+// broadcast of 4 activation bytes meets 4 consecutive inputs of all 8 rows:
+//   BITS 4: codes [N/8, K/32, 4, 32]: chunk c byte 4r + i = q[8b + r][32g + 8c + i] | q[8b + r][32g + 8c + 4 + i] << 4
+//   BITS 6, 8: codes [N/8, K/16, 4, 32]: chunk c byte 4r + i = q[8b + r][16g + 4c + i]
+//   sb [N/8, K/GS, 2, 8] float: the 8 rows' scales, then their biases.
+// Rows past N are zero padding.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "pool.h"
+
+namespace {
+
+constexpr int LANES = 8;  // output rows per block
+constexpr int XB = 32;    // activation quantization block
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+struct Product {
+  const int8_t* XQ;  // [M, K]
+  const float* DX;   // [M, K / 32]
+  const float* XS;   // [M, K / GS]: dx * sum of xq over the group
+  const uint8_t* C;
+  const float* SB;
+  float* Y;
+  int64_t M, K, N, NB, blocks_per_chunk;
+};
+
+// One block of 8 output rows against activation rows [m0, m0 + MM).
+template <int BITS, int MM>
+inline void tile(const Product& p, int64_t m0, int64_t b) {
+  constexpr int GS = BITS == 4 ? 32 : 16;
+  const int64_t G = p.K / GS, XG = p.K / XB;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MM];
+  for (int i = 0; i < MM; ++i) acc[i] = _mm256_setzero_ps();
+  const uint8_t* cb = p.C + b * G * 128;
+  const float* sbb = p.SB + b * G * 2 * LANES;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = cb + g * 128;
+    __m256i isum[MM];
+    if constexpr (BITS == 4) {
+      // 8 maddubs of codes <= 15 and |xq| <= 127 per int16 lane: |sum| <= 8 * 2 * 15 * 127 < 2^15.
+      __m256i s16[MM];
+      for (int i = 0; i < MM; ++i) s16[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int ch = 0; ch < 4; ++ch) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int i = 0; i < MM; ++i) {
+          const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 32 + ch * 8;
+          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad(xq))));
+          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad(xq + 4))));
+        }
+      }
+      for (int i = 0; i < MM; ++i) isum[i] = _mm256_madd_epi16(s16[i], ones);
+    } else if constexpr (BITS == 8) {
+      // signed codes: maddubs takes |q| (<= 128) and x with q's sign; one per int16 lane
+      // (2 * 128 * 127 < 2^15), then widen.
+      __m256i v[4], a[4];
+      for (int ch = 0; ch < 4; ++ch) {
+        v[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
+        a[ch] = _mm256_abs_epi8(v[ch]);
+      }
+      for (int i = 0; i < MM; ++i) {
+        const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 16;
+        __m256i t[4];
+        for (int ch = 0; ch < 4; ++ch)
+          t[ch] = _mm256_madd_epi16(_mm256_maddubs_epi16(a[ch], _mm256_sign_epi8(_mm256_set1_epi32(quad(xq + 4 * ch)), v[ch])), ones);
+        isum[i] = _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]), _mm256_add_epi32(t[2], t[3]));
+      }
+    } else {
+      // codes <= 63: two maddubs per int16 lane at most (2 * 2 * 63 * 127 < 2^15), then widen.
+      __m256i v[4];
+      for (int ch = 0; ch < 4; ++ch) v[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
+      for (int i = 0; i < MM; ++i) {
+        const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 16;
+        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_set1_epi32(quad(xq))),
+                                           _mm256_maddubs_epi16(v[1], _mm256_set1_epi32(quad(xq + 4))));
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], _mm256_set1_epi32(quad(xq + 8))),
+                                           _mm256_maddubs_epi16(v[3], _mm256_set1_epi32(quad(xq + 12))));
+        isum[i] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(d, ones));
+      }
+    }
+    const __m256 s = _mm256_loadu_ps(sbb + g * 2 * LANES), bias = _mm256_loadu_ps(sbb + g * 2 * LANES + LANES);
+    for (int i = 0; i < MM; ++i) {
+      const int64_t m = m0 + i;
+      const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(p.DX[m * XG + (g * GS) / XB]));
+      acc[i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(isum[i]), acc[i]);
+      acc[i] = _mm256_fmadd_ps(bias, _mm256_set1_ps(p.XS[m * G + g]), acc[i]);
+    }
+  }
+  const int64_t n0 = b * LANES;
+  for (int i = 0; i < MM; ++i) {
+    float* y = p.Y + (m0 + i) * p.N + n0;
+    if (n0 + LANES <= p.N) {
+      _mm256_storeu_ps(y, acc[i]);
+    } else {
+      alignas(32) float tmp[LANES];
+      _mm256_store_ps(tmp, acc[i]);
+      for (int64_t j = 0; n0 + j < p.N; ++j) y[j] = tmp[j];
+    }
+  }
+}
+
+template <int BITS>
+void chunk(const void* ctx, int64_t c) {
+  const Product& p = *static_cast<const Product*>(ctx);
+  const int64_t end = std::min(p.NB, (c + 1) * p.blocks_per_chunk);
+  for (int64_t b = c * p.blocks_per_chunk; b < end; ++b) {
+    int64_t m = 0;
+    for (; m + 4 <= p.M; m += 4) tile<BITS, 4>(p, m, b);
+    switch (p.M - m) {
+      case 3: tile<BITS, 3>(p, m, b); break;
+      case 2: tile<BITS, 2>(p, m, b); break;
+      case 1: tile<BITS, 1>(p, m, b); break;
+      default: break;
+    }
+  }
+}
+
+at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, int64_t N, int64_t bits) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "qdot_linear: x fp32 CPU [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qdot_linear: bits 4, 6 or 8");
+  const int64_t M = x_in.size(0), K = x_in.size(1), GS = bits == 4 ? 32 : 16, G = K / GS, NB = (N + LANES - 1) / LANES;
+  TORCH_CHECK(K % XB == 0, "qdot_linear: K must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == NB * G * 128,
+              "qdot_linear: codes [N/8, K/GS, 4, 32] uint8");
+  TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == NB * G * 2 * LANES,
+              "qdot_linear: sb [N/8, K/GS, 2, 8] float");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* X = x.data_ptr<float>();
+  // Per row: int8 codes and one step per 32 inputs, and the groups' quantized sums; a fixed order each.
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * (K / XB)), xs(M * G);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < K / XB; ++j) {
+      const float* px = X + m * K + j * XB;
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(px));
+      for (int u = 8; u < XB; u += 8) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(px + u)));
+      const float amax = hmax8(a), d = amax / 127.0f;
+      dx[m * (K / XB) + j] = d;
+      const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      for (int u = 0; u < XB; u += 8) {
+        const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(px + u), inv),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        alignas(32) int32_t t[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), q);
+        for (int e = 0; e < 8; ++e) xq[m * K + j * XB + u + e] = static_cast<int8_t>(std::max(-127, std::min(127, t[e])));
+      }
+    }
+    // The bias term multiplies the same quantized inputs as the codes do, so the product is exactly
+    // sum_k w[k] * (xq[k] dx): quantization error scales with w, not with the larger q * scale.
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t t = 0;
+      for (int64_t e = 0; e < GS; ++e) t += xq[m * K + g * GS + e];
+      xs[m * G + g] = dx[m * (K / XB) + (g * GS) / XB] * static_cast<float>(t);
+    }
+  }
+  // ~32 KB of codes a chunk: cheap to claim, many per thread.
+  const int64_t per = std::max<int64_t>(1, 32768 / (G * 128));
+  const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), sb.data_ptr<float>(), y.data_ptr<float>(),
+                  M, K, N, NB, per};
+  specmesh_pool::parallel_chunks((NB + per - 1) / per, bits == 4 ? &chunk<4> : bits == 6 ? &chunk<6> : &chunk<8>, &p);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specmesh_qdot, m) {
+  m.def("qdot_linear(Tensor x, Tensor codes, Tensor sb, int n, int bits) -> Tensor", &qdot_linear);
+}
