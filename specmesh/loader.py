@@ -281,31 +281,33 @@ def _gguf_config(gguf: Path):
 
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF blocks that `int4` holds with the file's own codes
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def int4_wins(n: int, k: int) -> bool:
-    """Whether an int4 layer of weight shape [n, k] measured faster than fp32's path on this machine
-    (`quant.int4_vs_fp32`), timed once per CPU, thread count, torch and SPECMESH_KERNELS, cached
+def fastest_format(n: int, k: int, formats: tuple[str, ...]) -> str:
+    """The fastest of `formats` for a Linear of weight shape [n, k] on this machine
+    (`quant.time_formats`), timed once per CPU, thread count, torch and SPECMESH_KERNELS, cached
     beside the kernels; one stderr line says what was measured."""
+    from specmesh import quant
     from specmesh.kernels import dispatch
-    from specmesh.quant import int4_vs_fp32
 
-    key = {"what": "int4_vs_fp32", "shape": [n, k], "cpu": dispatch.cpu_model(), "flags": dispatch.cpu_flags(),
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
+    key = {"what": "time_formats", "formats": list(formats), "shape": [n, k], "cpu": dispatch.cpu_model(),
+           "flags": dispatch.cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "kernels": os.environ.get("SPECMESH_KERNELS", "auto")}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cached = kernels._cache_dir() / f"auto-format-{digest}.json"
     try:
         result = json.loads(cached.read_text())["result"]
     except (OSError, ValueError, KeyError):
-        result = int4_vs_fp32(n, k)
+        result = quant.time_formats(n, k, formats)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"key": key, "result": result}, indent=1))
         os.replace(tmp, cached)
-    print(f"specmesh: int4 {result['int4_us']} us vs fp32 {result['fp32_us']} us per {n}x{k} product by rows "
-          f"({dispatch.cpu_model()}, {torch.get_num_threads()} threads): {result['choice']}", file=sys.stderr, flush=True)
-    return result["choice"] == "int4"
+    timed = ", ".join(f"{f} {result[f + '_us']}" for f in formats)
+    print(f"specmesh: us per {n}x{k} product by rows, {timed} ({dispatch.cpu_model()}, "
+          f"{torch.get_num_threads()} threads): {result['choice']}", file=sys.stderr, flush=True)
+    return result["choice"]
 
 
 def _matrices(path: Path) -> list:
@@ -320,34 +322,45 @@ def _size(t) -> int:
 
 
 def auto_format(path: str | os.PathLike) -> torch.dtype | str:
-    """`--dtype auto` for a target: the fastest format on this machine that keeps the checkpoint's own
-    numerics. For a GGUF whose Linear weights are mostly 4-bit block types (`INT4_TYPES`), `int4`
-    when an int4 layer of the largest such shape measured faster than fp32's path (`int4_wins`),
-    else fp32; any other checkpoint fp32 (int4 or int8 there would requantize it)."""
+    """`--dtype auto` for a target: the fastest format on this machine that keeps the checkpoint's
+    own weights. For a GGUF whose Linear weights are mostly quantized blocks: the fastest, measured
+    on the largest such shape (`fastest_format`), of `gguf` (every tensor as shipped, integer
+    kernels), `int4` (where they are mostly 4-bit: the 4-bit codes with fp32 activations, the rest
+    fp32) and fp32; any other checkpoint fp32 (int4 or int8 there would requantize it)."""
+    from specmesh.kernels import qdot
+
     p = Path(path)
     if not (p.is_file() and p.suffix == ".gguf"):
         return torch.float32
     mats = _matrices(p)
-    four = [t for t in mats if t.tensor_type.name in INT4_TYPES]
-    if not four or sum(map(_size, four)) < 0.5 * sum(map(_size, mats)):  # int4 would keep most of it fp32
+    blocks = [t for t in mats if t.tensor_type.name not in FLOAT_TYPES]
+    if not blocks or sum(map(_size, blocks)) < 0.5 * sum(map(_size, mats)):
         return torch.float32
-    big = max(four, key=_size)
-    return "int4" if int4_wins(int(big.shape[1]), int(big.shape[0])) else torch.float32
+    four = [t for t in mats if t.tensor_type.name in INT4_TYPES]
+    formats = (("gguf",) if qdot.available() else ()) + (("int4",) if sum(map(_size, four)) >= 0.5 * sum(map(_size, mats)) else ())
+    if not formats:
+        return torch.float32
+    big = max(blocks, key=_size)
+    choice = fastest_format(int(big.shape[1]), int(big.shape[0]), formats + ("fp32",))
+    return torch.float32 if choice == "fp32" else choice
 
 
 def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> Transformer:
-    """A drafter's model. `auto`: a drafter's numerics only change how often its proposals are
-    accepted, never the output, so it may be requantized: int4 (the file's own 4-bit codes where it
-    has them, every other Linear requantized to 4 bits) when int4 measured faster here on its
-    largest Linear shape, else fp32."""
+    """A drafter's model. `auto`: a GGUF drafter as a target would load (`auto_format`); any other
+    may be requantized, since a drafter's numerics only change how often its proposals are
+    accepted, never the output: int4 when it measured faster here on its largest Linear shape
+    (`fastest_format`), else fp32."""
     if dtype != "auto":
         return load_model(path, dtype)
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return load_model(p, auto_format(p))
     model = load_model(path, torch.float32)
     shapes = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0]
     if not shapes:
         return model
     n, k = max(shapes, key=lambda s: s[0] * s[1] if s[0] < model.config.vocab_size else 0)
-    return quantize_model(model, "int4") if int4_wins(n, k) else model
+    return quantize_model(model, "int4") if fastest_format(n, k, ("int4", "fp32")) == "int4" else model
 
 
 def load_gguf(path: Path, fmt: str) -> Transformer:
@@ -357,10 +370,13 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
+    from specmesh.kernels import qdot
     from specmesh.quant import FORMATS, GGUFEmbedding, QuantLinear, WeightFormat, gguf_int4_codes
 
     if fmt not in FORMATS:
         raise ValueError(f"dtype: expected a float dtype or one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "gguf" and not qdot.available():
+        raise ValueError(f"dtype: gguf needs specmesh's integer CPU kernel: {qdot.reason()}")
     hf_cfg = _gguf_config(path)
     cfg = ModelConfig.from_hf(hf_cfg)
     inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
@@ -386,7 +402,7 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
         rows = None
         if permute and module.endswith(("q_proj", "k_proj")):
             rows = _unpermute_rows(n, cfg.num_heads if module.endswith("q_proj") else cfg.num_kv_heads)
-        if module == "model.embed_tokens" and fmt in ("int8", "int4"):
+        if module == "model.embed_tokens" and fmt in ("int8", "int4", "gguf"):
             model.model.embed_tokens = GGUFEmbedding(t.data, t.tensor_type, dim=k)
             continue
         if module not in linears or leaf != "weight" or fmt == "fp32":
@@ -397,6 +413,20 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
         bias = None if bias_t is None else floats(bias_t, n, None)
         if bias is not None and rows is not None:
             bias = bias[rows]
+        if fmt == "gguf":
+            layer = None
+            if t.tensor_type.name not in ("F32", "F64", "F16", "BF16"):  # [N, row bytes]: one output's weights a row
+                layer = QuantLinear.from_gguf(np.asarray(t.data).reshape(n, -1), t.tensor_type, k, bias, rows)
+            if layer is None:  # float in the file, or no kernel for the type here: fp32, as in the file
+                w = floats(t, n, k)
+                state[name] = w if rows is None else w[rows]
+                info.keep(t.tensor_type.name)
+                continue
+            info.ship(layer.kernel, t.tensor_type.name)
+            replaced.add(module)
+            parent, child = module.rsplit(".", 1) if "." in module else ("", module)
+            setattr(model.get_submodule(parent), child, layer)
+            continue
         codes = gguf_int4_codes(t.data, t.tensor_type.name, n, k) if fmt == "int4" else None
         if fmt == "int4" and codes is None:
             # No exact 4-bit form (Q6_K, Q8_0, ...): kept fp32 as in the file rather than requantized;
@@ -438,6 +468,8 @@ def quantize_model(model: Transformer, fmt: str) -> Transformer:
 
     if fmt not in FORMATS:
         raise ValueError(f"dtype: expected a float dtype or one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "gguf":
+        raise ValueError("dtype: gguf keeps a .gguf file's own blocks; this checkpoint is not a GGUF (use int4 or int8)")
     info = WeightFormat(fmt)
     if fmt != "fp32":
         for name, m in list(model.named_modules()):

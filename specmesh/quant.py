@@ -1,4 +1,4 @@
-"""Weight formats for the runtime's Linear layers: fp32, bf16, int8 and 4-bit weight-only.
+"""Weight formats for the runtime's Linear layers: fp32, bf16, int8, 4-bit and GGUF blocks as shipped.
 
 A format is how a Linear's weight is stored and which kernel multiplies by it; the rest of the
 model (norms, attention, residual stream, KV cache) stays fp32 in every format.
@@ -25,6 +25,12 @@ requantized. Everything else (Q6_K, Q8_0, Q5_*, F16, ...) has no exact 4-bit or 
 int8 form: `int4` keeps those tensors fp32 (the loader's choice), `int8` requantizes them
 (`from_float`), and `WeightFormat` records which, for the model card.
 
+- `gguf`: a GGUF tensor's own blocks, every type (Q4_K, Q6_K, Q8_0, Q4_1, ...), byte for byte as in
+  the file, multiplied by ggml's CPU kernels, llama.cpp's (`specmesh.kernels.ggml`, through the
+  libggml that llama-cpp-python ships): activations quantized per block as llama.cpp does (Q8_K,
+  Q8_0, Q8_1), one ggml dot product per output, so batch-invariant. The served numerics are then
+  llama.cpp's for that file; tensors ggml has no kernel for (F32) stay fp32.
+
 This module knows tensors and GGUF block layouts; it knows nothing about files, names or models.
 """
 
@@ -37,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "gguf")
 GROUP = 32  # int4 group size: a GGUF 4-bit block is 32 weights
 COMPUTE_DTYPE = torch.bfloat16  # the int kernels' fast activation dtype on CPU
 
@@ -109,6 +115,59 @@ def gguf_int4_codes(raw: np.ndarray, qtype_name: str, n: int, k: int) -> Int4Cod
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # weights, bytes per block
 
 
+@dataclass
+class Int6Codes:
+    """A GGUF Q6_K tensor as stored: w[n, k] = (q[n, k] - 32) * scale[n, k // 16], q in 0..63."""
+    q: torch.Tensor  # [N, K] uint8
+    scale: torch.Tensor  # [N, K / 16] float32 (d * the block's int8 sub-scale)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return ((self.q.view(n, k // 16, 16).float() - 32) * self.scale[..., None]).view(n, k)
+
+
+def gguf_q6k_codes(raw: np.ndarray, n: int, k: int) -> Int6Codes:
+    """The 6-bit codes and sub-block scales of a GGUF Q6_K tensor ([N, row bytes] uint8). A block
+    of 256: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales, fp16 d; per half of 128,
+    code l + 32 j takes a nibble of ql[l + 32 (j % 2)] (low for j < 2) and bits 2 j of qh[l]."""
+    b = np.ascontiguousarray(raw).reshape(-1, 210)
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [blocks, 16]
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    lo = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], 2)
+    hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 2)  # [blocks, half, j, 32]
+    q = (lo | (hi << 4)).astype(np.uint8).reshape(n, k)
+    return Int6Codes(torch.from_numpy(q.copy()), torch.from_numpy((d * sc).reshape(n, k // 16).copy()))
+
+
+BYTE_TYPES = {"Q6_K": 6, "Q5_0": 6, "Q5_1": 6, "Q8_0": 8}  # -> specmesh.kernels.qdot layout
+
+
+def gguf_byte_codes(raw: np.ndarray, qtype_name: str, n: int, k: int):
+    """(q [N, K] int16, scale, offset [N, K / 16] fp32, layout) with w = q * scale + offset for a
+    GGUF Q6_K, Q5_0, Q5_1 or Q8_0 tensor ([N, row bytes] uint8), the file's codes; the 32-blocks'
+    parameters repeated over both 16-halves."""
+    if qtype_name == "Q6_K":
+        c = gguf_q6k_codes(raw, n, k)
+        return c.q.to(torch.int16), c.scale, -32 * c.scale, 6
+    size = {"Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype_name]
+    b = np.ascontiguousarray(raw).reshape(-1, size)
+    f16 = lambda lo: b[:, lo:lo + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731 - [blocks, 1]
+    d = f16(0)
+    if qtype_name == "Q8_0":  # w = d * q, q int8
+        q = b[:, 2:].copy().view(np.int8).astype(np.int16)
+        offset = np.zeros_like(d)
+    else:  # Q5_0: w = d * (q - 16); Q5_1: w = d * q + m; q = nibble | bit of qh << 4
+        lo = 4 if qtype_name == "Q5_1" else 2
+        qh = b[:, lo:lo + 4].copy().view(np.uint32)  # [blocks, 1]
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)  # [blocks, 32]
+        qs = b[:, lo + 4:].astype(np.int16)
+        q = np.concatenate([qs & 0x0F, qs >> 4], 1) | (bits << 4)
+        offset = f16(2) if qtype_name == "Q5_1" else -16 * d
+    rep = lambda a: torch.from_numpy(np.repeat(a, 2, 1).reshape(n, k // 16).copy())  # noqa: E731
+    return torch.from_numpy(q.reshape(n, k).copy()), rep(d), rep(offset), BYTE_TYPES[qtype_name]
+
+
 def int4_kernel() -> str:
     """Which kernel `int4` layers built in this process use: 'specmesh-q4' or 'torch-int4pack'."""
     from specmesh.kernels import q4
@@ -146,6 +205,55 @@ class QuantLinear(nn.Module):
         return m
 
     @staticmethod
+    def from_gguf(raw: np.ndarray, qtype, k: int, bias: torch.Tensor | None,
+                  rows: torch.Tensor | None = None) -> "QuantLinear | None":
+        """From a GGUF tensor's blocks ([N, row bytes] uint8) of type `qtype` (gguf's
+        GGMLQuantizationType), output rows reordered by `rows` if given; None when no kernel here
+        takes that type (the caller keeps it fp32). Q4_0/Q4_1/Q4_K, Q5_0/Q5_1, Q6_K and Q8_0 go to
+        specmesh's integer kernel (`specmesh.kernels.qdot`) with the file's codes and scales; other block
+        types to ggml's own dot products (`specmesh.kernels.ggml`, when llama-cpp-python is here)."""
+        from specmesh.kernels import ggml, qdot
+
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        n = raw.shape[0]
+        name = qtype.name
+        if name in _BLOCK or name in BYTE_TYPES:
+            if not qdot.available() or k % 32:
+                return None
+            if name in BYTE_TYPES:
+                q, scale, bias_, bits = gguf_byte_codes(raw, name, n, k)
+            else:
+                c4 = gguf_int4_codes(raw, name, n, k)
+                q, scale, bias_ = c4.q, c4.scale, c4.zero - 8 * c4.scale
+                bits = 4
+            if rows is not None:
+                q, scale, bias_ = q[rows], scale[rows], bias_[rows]
+            return QuantLinear.from_codes(q, scale, bias_, bits, bias)
+        if name in ("F32", "F64") or not ggml.supports(int(qtype), k):
+            return None
+        if rows is not None:
+            raw = raw[rows.numpy()]
+        m = QuantLinear("gguf", k, n, bias)
+        m.qtype, m.kernel = int(qtype), "ggml"
+        m.register_buffer("blocks", torch.from_numpy(raw.copy()))  # [N, row bytes]: the file's bytes
+        return m
+
+    @staticmethod
+    def from_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                   bias: torch.Tensor | None) -> "QuantLinear":
+        """A `gguf` layer on specmesh's integer kernel: w = q * scale + offset per group
+        (`specmesh.kernels.qdot.pack`), plus the output `bias`."""
+        from specmesh.kernels import qdot
+
+        n, k = q.shape
+        m = QuantLinear("gguf", k, n, bias)
+        p = qdot.pack(q, scale, offset, bits)
+        m.kernel, m.bits = "specmesh-qdot", bits
+        m.register_buffer("qd_codes", p.codes)  # [N/8, K/GS, 4, 32] uint8
+        m.register_buffer("qd_sb", p.sb)  # [N/8, K/GS, 2, 8] fp32 scales, offsets
+        return m
+
+    @staticmethod
     def from_int4(codes: Int4Codes, bias: torch.Tensor | None) -> "QuantLinear":
         n, k = codes.q.shape
         m = QuantLinear("int4", k, n, bias)
@@ -170,6 +278,17 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.fmt == "gguf":
+            from specmesh.kernels import ggml, qdot
+
+            x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
+            if self.kernel == "ggml":
+                y = ggml.linear(x2, self.blocks, self.qtype)  # [M, N]
+            else:
+                y = qdot.linear(x2, self.qd_codes, self.qd_sb, self.out_features, self.bits)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.out_features)
         if self.fmt == "int4" and self.kernel == "specmesh-q4":
             from specmesh.kernels import q4
 
@@ -194,6 +313,14 @@ class QuantLinear(nn.Module):
         """The fp32 weight [N, K] this layer multiplies by (the kernels' own dequantization)."""
         if self.fmt == "bf16":
             return self.weight.float()
+        if self.fmt == "gguf":  # the weights' values; the product also rounds the activations to 8 bits
+            if self.kernel == "ggml":
+                from gguf import GGMLQuantizationType
+                from gguf.quants import dequantize
+
+                w = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype))
+                return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(self.out_features, self.in_features).copy())
+            return _unpack_qdot(self.qd_codes, self.qd_sb, self.out_features, self.in_features, self.bits)
         if self.fmt == "int8":
             return self.qweight.float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features)  # fp32 in, fp32 scales: each output is one weight, exactly
@@ -210,6 +337,22 @@ class QuantLinear(nn.Module):
         return f"{self.fmt}{' ' + self.kernel if self.kernel else ''}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _unpack_qdot(codes: torch.Tensor, sb: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """q * scale + bias [N, K] from `specmesh.kernels.qdot.pack`'s layout (its inverse)."""
+    nb, g = codes.shape[:2]
+    gs = 32 if bits == 4 else 16
+    if bits == 4:  # [NB, G, c, r, i] byte = q[h=0] | q[h=1] << 4, k = 32 g + 8 c + 4 h + i
+        c = codes.view(nb, g, 4, 8, 4)
+        q = torch.stack([c & 0x0F, c >> 4], -1).permute(0, 3, 1, 2, 5, 4).reshape(nb * 8, k)
+    else:  # [NB, G, c, r, i], k = 16 g + 4 c + i; layout 8: signed bytes
+        c = codes.view(torch.int8) if bits == 8 else codes
+        q = c.view(nb, g, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(nb * 8, k)
+    scale = sb[:, :, 0].permute(0, 2, 1).reshape(nb * 8, g)
+    bias = sb[:, :, 1].permute(0, 2, 1).reshape(nb * 8, g)
+    w = q.float().view(nb * 8, g, gs) * scale[..., None] + bias[..., None]
+    return w.view(nb * 8, k)[:n]
+
+
 @dataclass
 class WeightFormat:
     """What a loaded model's Linear weights are, for the model card: the format, which tensors
@@ -217,6 +360,11 @@ class WeightFormat:
     fmt: str
     requantized: dict[str, int] = field(default_factory=dict)
     kept_fp32: dict[str, int] = field(default_factory=dict)
+    as_shipped: dict[str, dict[str, int]] = field(default_factory=dict)  # gguf: kernel -> block type -> count
+
+    def ship(self, kernel: str, source_type: str) -> None:
+        types = self.as_shipped.setdefault(kernel, {})
+        types[source_type] = types.get(source_type, 0) + 1
 
     def note(self, module: str, source_type: str) -> None:
         self.requantized[source_type] = self.requantized.get(source_type, 0) + 1
@@ -230,8 +378,15 @@ class WeightFormat:
         return self.fmt in ("int8", "int4") and bool(self.requantized)
 
     def describe(self) -> str:
-        """e.g. `int4 (specmesh-q4; kept fp32: 29 Q6_K)`, `int8 (requantized: 196 Q4_K, 29 Q6_K)`."""
+        """e.g. `int4 (specmesh-q4; kept fp32: 29 Q6_K)`, `int8 (requantized: 196 Q4_K, 29 Q6_K)`,
+        `gguf (specmesh-qdot: 168 Q4_K, 29 Q6_K; ggml of llama-cpp-python 0.3.36: 1 Q8_0)`."""
         notes = [int4_kernel()] if self.fmt == "int4" else []
+        for kernel, types in sorted(self.as_shipped.items(), reverse=True):
+            if kernel == "ggml":
+                from specmesh.kernels import ggml
+
+                kernel = f"ggml of {ggml.provider()}"
+            notes.append(f"{kernel}: " + ", ".join(f"{n} {t}" for t, n in sorted(types.items())))
         if self.requantizing:
             notes.append("requantized: " + ", ".join(f"{n} {t}" for t, n in sorted(self.requantized.items())))
         if self.kept_fp32:
@@ -258,33 +413,48 @@ class GGUFEmbedding(nn.Module):
 
 
 AUTO_ROWS = (1, 9)  # a decode step and the default tree (8 nodes + the pending token)
-AUTO_MARGIN = 0.05  # int4 must be this much faster than fp32 to be chosen
+AUTO_MARGIN = 0.05  # a non-fp32 format must be this much faster than fp32 to be chosen
 
 
-def int4_vs_fp32(n: int, k: int, copies_bytes: int = 96 << 20) -> dict:
-    """Time an int4 layer against fp32's path (`specmesh.kernels.linear`: the measured fp32 choice)
-    for one weight shape on this machine: interleaved calls at AUTO_ROWS, each on the next of as
-    many copies as fill `copies_bytes` (so the weights come from memory, not cache, as in a whole
-    model's forward), medians. Returns {"int4_us": {rows: us}, "fp32_us": {...}, "choice"}."""
+def _timed_layer(fmt: str, w: torch.Tensor, g: torch.Generator):
+    """A layer of weight shape w.shape in `fmt`, called as layer(x)."""
+    from specmesh import kernels
+
+    if fmt == "fp32":
+        return lambda x: kernels.linear(x, w)  # the measured fp32 choice (small-M kernel or torch)
+    if fmt == "gguf":  # 4-bit codes in the integer kernel, as a Q4_K tensor loads
+        n, k = w.shape
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        s = torch.rand(n, k // GROUP, generator=g) * 0.01
+        return QuantLinear.from_codes(q, s, -8 * s, 4, None)
+    return QuantLinear.from_float(w, None, fmt)
+
+
+def time_formats(n: int, k: int, formats: tuple[str, ...] = ("gguf", "int4", "fp32"),
+                 copies_bytes: int = 96 << 20) -> dict:
+    """Time a layer of weight shape [n, k] in each of `formats` on this machine: interleaved calls
+    at AUTO_ROWS, each on the next of as many copies as fill `copies_bytes` (so the weights come
+    from memory, not cache, as in a whole model's forward), medians. Returns {"<fmt>_us": {rows:
+    us}, ..., "choice"}: the fastest by the sum over AUTO_ROWS, where anything but fp32 must beat
+    fp32 (if timed) by AUTO_MARGIN."""
     import statistics
     import time
 
-    from specmesh import kernels
-
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.02  # [N, K]
-    fp32 = [w.clone() for _ in range(max(2, copies_bytes // (4 * n * k)))]
-    q4 = [QuantLinear.from_float(w, None, "int4") for _ in range(max(2, copies_bytes // (n * k // 2)))]
-    times: dict[str, dict[int, list[float]]] = {"int4": {m: [] for m in AUTO_ROWS}, "fp32": {m: [] for m in AUTO_ROWS}}
+    bits = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "gguf": 4}
+    layers = {f: [_timed_layer(f, w.clone() if f == "fp32" else w, g)
+                  for _ in range(max(2, copies_bytes * 8 // (bits[f] * n * k)))] for f in formats}
+    times = {f: {m: [] for m in AUTO_ROWS} for f in formats}
     for rep in range(7):
         for m in AUTO_ROWS:
             x = torch.randn(m, k, generator=g)
-            for path, layers in (("int4", q4), ("fp32", fp32)):
-                layer = layers[rep % len(layers)]
+            for f in formats:
+                layer = layers[f][rep % len(layers[f])]
                 t = time.perf_counter()
-                layer(x) if path == "int4" else kernels.linear(x, layer)
-                times[path][m].append(time.perf_counter() - t)
-    out = {f"{p}_us": {str(m): round(1e6 * statistics.median(v[1:]), 1) for m, v in d.items()} for p, d in times.items()}
-    total = {p: sum(out[f"{p}_us"].values()) for p in ("int4", "fp32")}
-    out["choice"] = "int4" if total["int4"] < (1 - AUTO_MARGIN) * total["fp32"] else "fp32"
+                layer(x)
+                times[f][m].append(time.perf_counter() - t)
+    out = {f"{f}_us": {str(m): round(1e6 * statistics.median(v[1:]), 1) for m, v in d.items()} for f, d in times.items()}
+    total = {f: sum(out[f"{f}_us"].values()) * (1 if f == "fp32" else 1 + AUTO_MARGIN) for f in formats}
+    out["choice"] = min(formats, key=lambda f: total[f])
     return out

@@ -4,9 +4,11 @@ both branches are checked; the verdict is cached per machine key."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specmesh import loader, quant
+from specmesh.kernels import qdot
 from specmesh.loader import auto_format, bundled_target_path, load_drafter_weights
 from specmesh.quant import QuantLinear
 
@@ -14,21 +16,24 @@ from specmesh.quant import QuantLinear
 def _verdict(monkeypatch, tmp_path, choice: str) -> list:
     calls = []
 
-    def fake(n: int, k: int) -> dict:
-        calls.append((n, k))
-        return {"int4_us": {"1": 1.0}, "fp32_us": {"1": 2.0}, "choice": choice}
+    def fake(n: int, k: int, formats: tuple[str, ...]) -> dict:
+        calls.append((n, k, formats))
+        return {**{f"{f}_us": {"1": 1.0} for f in formats}, "choice": choice}
 
-    monkeypatch.setattr(quant, "int4_vs_fp32", fake)
+    monkeypatch.setattr(quant, "time_formats", fake)
     monkeypatch.setenv("SPECMESH_KERNEL_DIR", str(tmp_path / choice))
     return calls
 
 
-def test_a_4bit_gguf_takes_int4_only_where_it_measured_faster(monkeypatch, tmp_path):
+@pytest.mark.parametrize("choice", ["gguf", "int4"])
+def test_a_4bit_gguf_takes_a_quantized_format_only_where_it_measured_faster(monkeypatch, tmp_path, choice):
     path = bundled_target_path()  # Q4_1 linears, a Q8_0 embedding
-    calls = _verdict(monkeypatch, tmp_path, "int4")
-    assert auto_format(path) == "int4"
-    assert auto_format(path) == "int4" and len(calls) == 1  # cached: timed once per machine key
-    assert calls[0] in ((1536, 576), (576, 1536))  # [N, K] of the largest 4-bit Linear: an MLP projection
+    calls = _verdict(monkeypatch, tmp_path, choice)
+    assert auto_format(path) == choice
+    assert auto_format(path) == choice and len(calls) == 1  # cached: timed once per machine key
+    n, k, formats = calls[0]
+    assert (n, k) in ((1536, 576), (576, 1536))  # [N, K] of the largest quantized Linear: an MLP projection
+    assert formats == (("gguf",) if qdot.available() else ()) + ("int4", "fp32")
     _verdict(monkeypatch, tmp_path, "fp32")
     assert auto_format(path) == torch.float32
 
@@ -53,6 +58,8 @@ def test_a_drafter_may_be_requantized(monkeypatch, tmp_path):
 
 
 def test_the_verdict_is_measured_on_real_layers():
-    r = quant.int4_vs_fp32(64, 128, copies_bytes=1 << 16)
-    assert r["choice"] in ("int4", "fp32") and set(r["int4_us"]) == set(r["fp32_us"]) == {"1", "9"}
-    assert all(v > 0 for v in r["int4_us"].values())
+    formats = (("gguf",) if qdot.available() else ()) + ("int4", "fp32")
+    r = quant.time_formats(64, 128, formats, copies_bytes=1 << 16)
+    assert r["choice"] in formats
+    for f in formats:
+        assert set(r[f"{f}_us"]) == {"1", "9"} and all(v > 0 for v in r[f"{f}_us"].values())

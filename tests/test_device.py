@@ -42,9 +42,9 @@ def test_cuda_without_cuda_says_so() -> None:
 
 def test_dtypes() -> None:
     assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype("float32") is torch.float32
-    assert parse_dtype("int4") == "int4" and parse_dtype("int8") == "int8"  # weight formats (specmesh.quant)
+    assert parse_dtype("int4") == "int4" and parse_dtype("int8") == "int8" and parse_dtype("gguf") == "gguf"  # weight formats (specmesh.quant)
     assert parse_dtype("auto") == "auto"  # measured at load (specmesh.loader.auto_format)
-    with pytest.raises(ValueError, match="dtype: expected one of float32, bfloat16, float16, int8, int4, auto, got 'fp8'"):
+    with pytest.raises(ValueError, match="dtype: expected one of float32, bfloat16, float16, int8, int4, gguf, auto, got 'fp8'"):
         parse_dtype("fp8")
 
 

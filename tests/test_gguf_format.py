@@ -1,0 +1,183 @@
+"""The `gguf` weight format (specmesh.quant): a GGUF's tensors at the size they ship, multiplied by
+specmesh's integer kernel (specmesh.kernels.qdot: Q4_0/Q4_1/Q4_K, Q6_K) or ggml's own dot products
+(specmesh.kernels.ggml: Q8_0 and the other types). The codes are the file's exactly; a product is
+the kernel's stated arithmetic on 8-bit activations; rows are batch-invariant; greedy speculation
+equals plain decoding in this format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from transformers import LlamaConfig
+
+from specmesh.drafters import NgramDrafter, OracleDrafter
+from specmesh.engine import SpecConfig, StopConditions, generate
+from specmesh.kernels import ggml, qdot
+from specmesh.loader import model_from_hf
+from specmesh.quant import QuantLinear, WeightFormat, gguf_int4_codes, gguf_q6k_codes
+from specmesh.sampling import SamplingParams
+from tests.tiny_models import random_hf_model
+
+pytestmark = pytest.mark.skipif(not qdot.available(), reason=f"integer kernel unavailable: {qdot.reason()}")
+
+
+def _kquant_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K / Q5_K / Q6_K bytes with sane fp16 scales (gguf cannot quantize to K-quants)."""
+    rng = np.random.default_rng(seed)
+    size = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, (n, k // 256 * size), dtype=np.uint8)
+    b = raw.reshape(-1, size)
+    f16 = lambda lo, hi: rng.uniform(lo, hi, b.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
+    if qtype in (T.Q4_K, T.Q5_K):
+        b[:, 0:2], b[:, 2:4] = f16(1e-3, 1e-2), f16(1e-3, 1e-2)
+    else:
+        b[:, 208:210] = f16(1e-4, 1e-3)
+    return raw
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The kernel's stated arithmetic in float64: x quantized per 32 inputs (xq = round(x 127 / max|x|)),
+    y = sum over groups of (scale * q + offset) . xq * dx."""
+    m, k = x.shape
+    blocks = x.double().view(m, k // 32, 32)
+    dx = (blocks.abs().amax(-1, keepdim=True) / 127).float().double()
+    xq = torch.where(dx > 0, (blocks / torch.where(dx > 0, dx, 1)).round(), 0).clamp(-127, 127)
+    xd = (xq * dx).view(m, k)
+    gs = k // scale.shape[1]
+    w = q.double().view(q.shape[0], -1, gs) * scale.double()[..., None] + offset.double()[..., None]
+    return xd @ w.view(q.shape[0], k).t()
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_the_integer_kernel_computes_its_stated_arithmetic(bits):
+    g = torch.Generator().manual_seed(bits)
+    n, k, gs = 45, 512, qdot.GROUP[bits]  # n not a multiple of 8: padded rows are dropped
+    lo, hi = qdot.CODES[bits]
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int16)
+    scale, offset = torch.rand(n, k // gs, generator=g) * 0.01, torch.randn(n, k // gs, generator=g) * 0.01
+    layer = QuantLinear.from_codes(q, scale, offset, bits, None)
+    x = torch.randn(7, k, generator=g)
+    want = _reference(x, q, scale, offset)
+    got = layer(x).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    w = q.float().view(n, -1, gs) * scale[..., None] + offset[..., None]
+    assert torch.equal(layer.dequantized(), w.view(n, k))  # the layout round-trips
+
+
+def test_k_quant_codes_are_the_files_weights():
+    n, k = 16, 512
+    raw = _kquant_blocks(T.Q6_K, n, k)
+    assert torch.equal(gguf_q6k_codes(raw, n, k).dequantize(), torch.from_numpy(dequantize(raw, T.Q6_K)).view(n, k))
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = np.linspace(-1, 1, 32)  # a block that uses -128 in Q8_0
+    for qtype in (T.Q4_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_0, T.Q4_1):
+        raw = _kquant_blocks(qtype, n, k, seed=3) if qtype in (T.Q4_K, T.Q6_K) else quantize(w, qtype)
+        ref = torch.from_numpy(dequantize(raw, qtype)).view(n, k)
+        layer = QuantLinear.from_gguf(raw, qtype, k, None)
+        assert layer.kernel == "specmesh-qdot", qtype
+        # q * scale + offset, the offset folded per group: a few fp32 roundings off gguf's own formula
+        assert (layer.dequantized() - ref).abs().max() <= 1e-6 * ref.abs().max(), qtype
+
+
+def _layers(k: int = 256, n: int = 72) -> dict[str, QuantLinear]:
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    out = {"Q4_K": QuantLinear.from_gguf(_kquant_blocks(T.Q4_K, n, k), T.Q4_K, k, None),
+           "Q6_K": QuantLinear.from_gguf(_kquant_blocks(T.Q6_K, n, k), T.Q6_K, k, None),
+           "Q4_0": QuantLinear.from_gguf(quantize(w, T.Q4_0), T.Q4_0, k, torch.randn(n))}
+    out["Q8_0"] = QuantLinear.from_gguf(quantize(w, T.Q8_0), T.Q8_0, k, None)
+    out["Q5_1"] = QuantLinear.from_gguf(quantize(w, T.Q5_1), T.Q5_1, k, None)
+    if ggml.available():  # a type only ggml multiplies
+        out["Q5_K"] = QuantLinear.from_gguf(_kquant_blocks(T.Q5_K, n, k), T.Q5_K, k, None)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_are_batch_invariant(threads):
+    """Row i of an M-row product is bit-identical to row i alone, on either kernel."""
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(2))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, layer in _layers().items():
+            full = layer(x)
+            for m in (2, 3, 4, 5, 9):
+                assert torch.equal(layer(x[:m]), full[:m]), name
+            for i in range(x.shape[0]):
+                assert torch.equal(layer(x[i:i + 1])[0], full[i]), name
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_product_is_close_to_the_files_weights_times_x():
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    for name, layer in _layers().items():
+        want = x @ layer.dequantized().t() + (0 if layer.bias is None else layer.bias)
+        err = (layer(x) - want).norm() / want.norm()
+        assert err < 0.02, (name, float(err))  # 8-bit activations: ~0.5% here
+
+
+@pytest.mark.skipif(not ggml.available(), reason=f"ggml unavailable: {ggml.reason()}")
+def test_ggml_layers_keep_the_files_bytes():
+    raw = _kquant_blocks(T.Q5_K, 40, 512)  # a type only ggml multiplies
+    layer = QuantLinear.from_gguf(raw, T.Q5_K, 512, None)
+    assert layer.kernel == "ggml" and np.array_equal(layer.blocks.numpy(), raw)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(raw, T.Q5_K)).view(40, 512))
+
+
+def _tiny_gguf_target(seed: int = 5):
+    """A tiny random Llama with every Linear in `gguf` blocks (Q4_0, the head Q8_0)."""
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=1)
+    model = model_from_hf(cfg, random_hf_model(cfg, seed=seed).state_dict())
+    info = WeightFormat("gguf")
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear):
+            qtype = T.Q8_0 if name == "lm_head" else T.Q4_0
+            layer = QuantLinear.from_gguf(quantize(m.weight.detach().numpy(), qtype), qtype, m.in_features, m.bias)
+            parent, child = name.rsplit(".", 1) if "." in name else ("", name)
+            setattr(model.get_submodule(parent), child, layer)
+            info.ship(layer.kernel, qtype.name)
+    model.weight_format = info
+    return model
+
+
+def test_greedy_speculation_equals_plain_decoding_in_gguf():
+    model = _tiny_gguf_target()
+    assert "specmesh-qdot" in model.weight_format.describe()
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        ids = torch.randint(2, 128, (7,), generator=g).tolist() * 2
+        plain = generate(model, ids, SamplingParams(), StopConditions(40)).token_ids
+        assert len(plain) == 40
+        for drafter in (NgramDrafter(), OracleDrafter(ids + plain, 0.7, 128, seed=i)):
+            for spec in (SpecConfig(4, 4), SpecConfig(8, 3)):
+                out = generate(model, ids, SamplingParams(), StopConditions(40), drafter, spec).token_ids
+                assert out == plain, (type(drafter).__name__, spec)
+
+
+def test_bundled_gguf_loads_as_shipped():
+    from specmesh.loader import bundled_target_path, load_model
+
+    path = bundled_target_path()
+    m = load_model(path, "gguf")
+    card = m.weight_format.describe()
+    assert card == "gguf (specmesh-qdot: 210 Q4_1, 1 Q8_0)", card  # the tied head too: nothing fp32
+    ref = load_model(path)  # transformers' dequantization, fp32
+    tokens = torch.tensor([1, 504, 3458, 282, 260, 1345, 314, 253, 2630, 30, 198])
+    pos = torch.arange(len(tokens))
+    got, want = m(tokens, pos, m.new_cache(32), 0), ref(tokens, pos, ref.new_cache(32), 0)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert agree >= 0.8, float(agree)  # the same weights; 8-bit activations move near-ties only
+
+
+def test_gguf_is_refused_for_a_checkpoint_without_blocks():
+    from specmesh.drafters import bundled_drafter_path
+    from specmesh.loader import load_model
+
+    with pytest.raises(ValueError, match="gguf"):
+        load_model(bundled_drafter_path(), "gguf")
