@@ -74,6 +74,7 @@ class Row(Config):
     agree_tokens: int = 0      # ... and tokens of the common prefix, of ...
     ref_tokens: int = 0        # ... the verifier's tokens
     runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
+    other_format: bool = False  # in-process in fp32 while the services serve another format
 
 
 def service_rows() -> list[Row]:
@@ -181,9 +182,10 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = "float32") -> dict:
+               dtype: str = "float32", services_only: bool = False) -> dict:
     """Start the pair's services (weights as `dtype`), run every row on every prompt (interleaved),
-    stop them; the pair's report."""
+    stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
+    weight format (the in-process fp32 rows beside another format report agreement only)."""
     from specmesh.runtime import encode_prompt
 
     from specmesh.engine import SpecConfig
@@ -192,8 +194,10 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
     loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
     if dtype != "float32":
+        for r in loaded.rows[:2]:
+            r.other_format = True
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
-    rows = service_rows() + loaded.rows
+    rows = service_rows() + ([] if services_only else loaded.rows)
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
     procs = {"tp1": start("verifier_service", "--threads", "1", "--target", loaded.target, "--dtype", dtype),
@@ -211,7 +215,7 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
                 out = run_row(r, address, ids, n, stop, spec)
                 if r.sampled:
                     continue
-                if r.where in ("tp1", "inproc"):
+                if r.where in ("tp1", "inproc") and not r.other_format:
                     r.identical &= out == ref
                 common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
                 r.agree_prompts += out == ref
@@ -233,7 +237,7 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
     ar = by[AR]
     ar_dt, ar_ds = ar.decode_rate()
     ar_tps = ar.tokens / ar.seconds
-    inproc_none = next(r for r in rows if r.where == "inproc" and r.drafter == "none")
+    inproc_none = next((r for r in rows if r.where == "inproc" and r.drafter == "none"), None)
     out = []
     for r in rows:
         kind = {"tp1": "services", "inproc": "in-process", "hf": "transformers", "llama": "llama.cpp"}[r.where]
@@ -251,7 +255,7 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
         if not r.sampled:
             d["greedy_identical_prompts"] = f"{r.agree_prompts}/{n_prompts}" if r is not ar else f"{n_prompts}/{n_prompts}"
             d["greedy_token_agreement"] = round(r.agree_tokens / r.ref_tokens, 4) if r.ref_tokens else 1.0
-            if r.where in ("tp1", "inproc"):
+            if r.where in ("tp1", "inproc") and not r.other_format:
                 d["identical_to_autoregressive"] = r.identical
         if r.where in ("tp1", "inproc") and r.steps:
             # each runtime's own plain decode step (in its own weight format) is its unit
@@ -445,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "bench_pairs.json"))
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 2 prompts x 12 tokens")
     ap.add_argument("--skip-peers", action="store_true", help="no transformers or llama.cpp rows")
+    ap.add_argument("--services-only", action="store_true", help="only the services' rows (a quick probe)")
     ap.add_argument("--dtype", default="float32",
                     help="the services' weights (verifier and drafter --dtype; auto: measured here), and "
                          "in-process rows in that format beside the fp32 ones")
@@ -472,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             report_pairs.append({"pair": pair, "status": f"not installed: {e}"})
             continue
-        report = bench_pair(pair, texts, n, threads, not args.skip_peers,
-                            log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype)
+        report = bench_pair(pair, texts, n, threads, not (args.skip_peers or args.services_only),
+                            log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
+                            services_only=args.services_only)
         report["checks"] = checks(report["results"])
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
