@@ -71,10 +71,10 @@ class OnDevice:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, start: int,
                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | slice | None = slice(None),
-                features: torch.Tensor | None = None, hidden: bool = False):
+                features: torch.Tensor | None = None, hidden: bool = False, exact: bool = True):
         dev = self.device
         out = self.model(tokens.to(dev), positions.to(dev), cache, start, None if mask is None else mask.to(dev),
-                         logits_rows, None if features is None else features.to(dev), hidden=hidden)
+                         logits_rows, None if features is None else features.to(dev), hidden=hidden, exact=exact)
         if hidden:
             return to_cpu(out[0]), to_cpu(out[1])
         return to_cpu(out)

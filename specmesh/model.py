@@ -106,6 +106,7 @@ class Segment:
     features: torch.Tensor | None = None  # [T, hidden] feature drafters: the target features fed with the tokens
     want_hidden: bool = False  # fill `hidden` with the final hidden states (before the norm), [T, hidden]
     hidden: torch.Tensor | None = None
+    exact: bool = True  # rows bitwise as if decoded alone (`_attention_by_row`); drafters need not
 
 
 class Linear(nn.Linear):
@@ -169,7 +170,7 @@ class Attention(nn.Module):
             n = s.tokens.shape[0]
             s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
             keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
-            if n <= ROW_ATTENTION_MAX:
+            if s.exact and n <= ROW_ATTENTION_MAX:
                 outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.mask, s.start))
             else:
                 outs.append(F.scaled_dot_product_attention(
@@ -251,11 +252,13 @@ class Transformer(nn.Module):
         logits_rows: torch.Tensor | slice | None = slice(None),
         features: torch.Tensor | None = None,
         hidden: bool = False,
+        exact: bool = True,
     ):
         """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]; with
         `hidden`, (logits, final hidden states [T, hidden] before the norm: the target features a
-        feature drafter takes). `features`: a feature drafter's per-row input."""
-        seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden)
+        feature drafter takes). `features`: a feature drafter's per-row input. `exact=False`
+        (drafters): batched attention, rows equal to one-token decoding only up to rounding."""
+        seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden, exact=exact)
         logits = self.forward_batch([seg])[0]
         return (logits, seg.hidden) if hidden else logits
 

@@ -111,7 +111,7 @@ class FeatureDraftSession:
         cache.truncate(start)
         logits, hidden = model(
             torch.tensor(self.context[start + 1:]), torch.arange(start + 1, n), cache, start,
-            logits_rows=slice(-1, None), features=self.features.view()[start:], hidden=True,
+            logits_rows=slice(-1, None), features=self.features.view()[start:], hidden=True, exact=False,
         )  # [1, V], [n - 1 - start, H]
         cache.commit(list(range(start, n - 1)))
         root_probs = _probs(logits, params)[0]  # [V]
@@ -131,7 +131,7 @@ class FeatureDraftSession:
             toks = torch.tensor([p[-1] for p in paths])  # [T]
             pos = torch.tensor([n - 1 + len(p) for p in paths])  # [T] depth-based positions
             feats = torch.stack([predicted[p[:-1]] for p in paths])  # [T, H]
-            logits, hidden = model(toks, pos, cache, at, mask, features=feats, hidden=True)  # [T, V], [T, H]
+            logits, hidden = model(toks, pos, cache, at, mask, features=feats, hidden=True, exact=False)  # [T, V], [T, H]
             probs = _probs(logits, params)
             for row, path in enumerate(paths):
                 slot_of.setdefault(path, at + row)

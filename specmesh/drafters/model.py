@@ -90,7 +90,7 @@ class ModelDraftSession:
         cache.truncate(start)
         logits = model(
             torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
-            logits_rows=slice(low - 1 - start, None),
+            logits_rows=slice(low - 1 - start, None), exact=False,
         )  # [n - low + 1, V]
         cache.commit(list(range(start, n)))
         root_probs = _probs(logits, params)  # [n - low + 1, V]
@@ -111,7 +111,7 @@ class ModelDraftSession:
                 mask = node_mask(fed_paths, [roots[t] for t in fed_trees], at, slot_of, fed_trees)  # [T, S]
                 toks = torch.tensor([p[-1] for p in fed_paths])  # [T]
                 pos = torch.tensor([roots[t] - 1 + len(p) for t, p in zip(fed_trees, fed_paths)])  # [T]
-                probs = _probs(model(toks, pos, cache, at, mask), params)  # [T, V]
+                probs = _probs(model(toks, pos, cache, at, mask, exact=False), params)  # [T, V]
                 for row, (t, path) in enumerate(zip(fed_trees, fed_paths)):
                     slot_of.setdefault((t, path), at + row)
             row_of = {i: row for row, i in enumerate(fed)}
