@@ -6,7 +6,9 @@ what the runtime uses today), bf16 `F.linear`, int8 weight-only with per-channel
 (`torch.ops.aten._weight_int4pack_mm_for_cpu` after `_convert_weight_to_int4pack_for_cpu`), each
 with fp32 and with bf16 activations, and torchao's int8 / int4 weight-only configs where torchao
 imports, and specmesh's own 4-bit kernel (`specmesh_q4`: `specmesh.kernels.q4`, the same 4-bit
-codes, fp32 activations, fp32 scales). Shapes are Qwen2.5-1.5B's (q/o, k/v, gate/up, down, LM head); rows M as a decode step
+codes, fp32 activations, fp32 scales), and `--dtype gguf`'s kernels: specmesh's integer kernel on
+4-bit codes and on Q8_0 blocks (`qdot_4bit`, `qdot_q8_0`) and ggml's (llama.cpp's) dot products on
+Q4_0 / Q8_0 blocks (`ggml_q4_0`, `ggml_q8_0`, where llama-cpp-python is installed). Shapes are Qwen2.5-1.5B's (q/o, k/v, gate/up, down, LM head); rows M as a decode step
 (1) and verification trees (2..17).
 
 Cells are interleaved round by round (every format on a shape, then the next shape) so a shared
@@ -83,6 +85,22 @@ def make_ops(w: torch.Tensor, with_torchao: bool) -> dict[str, Op]:
         c = quantize_int4(w)  # the same asymmetric group-32 codes as `_int4`
         pk = q4.pack(c.q, c.scale, c.zero)
         ops["specmesh_q4"] = lambda x: q4.q4_linear(x, pk.codes, pk.sb, pk.n)
+    from specmesh.kernels import ggml, qdot
+
+    if qdot.available():  # --dtype gguf: the integer kernel on 4-bit codes and on Q8_0's signed bytes
+        import numpy as np
+        from gguf import GGMLQuantizationType as T
+        from gguf.quants import quantize
+
+        from specmesh.quant import QuantLinear, quantize_int4
+
+        c = quantize_int4(w)
+        ops["qdot_4bit"] = QuantLinear.from_codes(c.q, c.scale, c.zero - 8 * c.scale, 4, None)
+        raw = {t: torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), t))) for t in (T.Q4_0, T.Q8_0)}
+        ops["qdot_q8_0"] = QuantLinear.from_gguf(raw[T.Q8_0].numpy(), T.Q8_0, w.shape[1], None)
+        if ggml.available():  # llama.cpp's own dot products on the same blocks
+            ops["ggml_q4_0"] = lambda x: ggml.linear(x, raw[T.Q4_0], int(T.Q4_0))
+            ops["ggml_q8_0"] = lambda x: ggml.linear(x, raw[T.Q8_0], int(T.Q8_0))
     if with_torchao:
         ops.update(_torchao_ops(w))
     return ops

@@ -212,9 +212,16 @@ class QuantLinear(nn.Module):
         takes that type (the caller keeps it fp32). Q4_0/Q4_1/Q4_K, Q5_0/Q5_1, Q6_K and Q8_0 go to
         specmesh's integer kernel (`specmesh.kernels.qdot`) with the file's codes and scales; other block
         types to ggml's own dot products (`specmesh.kernels.ggml`, when llama-cpp-python is here)."""
+        m = QuantLinear._from_gguf(np.ascontiguousarray(raw, dtype=np.uint8), qtype, k, bias, rows)
+        if m is not None:
+            m.source = qtype.name  # the GGUF type, for the model card
+        return m
+
+    @staticmethod
+    def _from_gguf(raw: np.ndarray, qtype, k: int, bias: torch.Tensor | None,
+                   rows: torch.Tensor | None) -> "QuantLinear | None":
         from specmesh.kernels import ggml, qdot
 
-        raw = np.ascontiguousarray(raw, dtype=np.uint8)
         n = raw.shape[0]
         name = qtype.name
         if name in _BLOCK or name in BYTE_TYPES:
@@ -375,7 +382,7 @@ class WeightFormat:
     @property
     def requantizing(self) -> bool:
         """True when some weight is not the checkpoint's own value (beyond bf16 rounding)."""
-        return self.fmt in ("int8", "int4") and bool(self.requantized)
+        return self.fmt in ("int8", "int4", "gguf") and bool(self.requantized)
 
     def describe(self) -> str:
         """e.g. `int4 (specmesh-q4; kept fp32: 29 Q6_K)`, `int8 (requantized: 196 Q4_K, 29 Q6_K)`,

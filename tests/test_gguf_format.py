@@ -181,3 +181,16 @@ def test_gguf_is_refused_for_a_checkpoint_without_blocks():
 
     with pytest.raises(ValueError, match="gguf"):
         load_model(bundled_drafter_path(), "gguf")
+
+
+def test_a_drafter_is_requantized_to_4_bits_and_stays_a_drafter():
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.loader import requantize_to_4bit
+
+    target, draft = _tiny_gguf_target(), requantize_to_4bit(_tiny_gguf_target(seed=6))
+    assert all(m.bits == 4 for m in draft.modules() if isinstance(m, QuantLinear))
+    assert draft.weight_format.describe() == "gguf (specmesh-qdot: 14 Q4_0; requantized: 1 Q8_0)"
+    ids = list(range(2, 12)) * 2
+    plain = generate(target, ids, SamplingParams(), StopConditions(30)).token_ids
+    out = generate(target, ids, SamplingParams(), StopConditions(30), ModelDrafter(draft), SpecConfig(8, 3)).token_ids
+    assert out == plain
