@@ -56,7 +56,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         o = req.speculation
         spec = None
         if not o.disabled:
-            spec = SpecConfig(o.budget or cfg.budget, o.depth or cfg.depth, o.fixed)
+            # a seeded request must not depend on timing: a shape planned from measured costs does,
+            # so its caps are its fixed shape
+            spec = SpecConfig(o.budget or cfg.budget, o.depth or cfg.depth, o.fixed or params.seed is not None)
             if not 1 <= spec.budget <= MAX_TREE_NODES:
                 raise ValueError(f"speculation.budget: must be in [1, {MAX_TREE_NODES}], got {spec.budget}")
             if not 1 <= spec.depth <= MAX_DEPTH:
@@ -68,8 +70,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             drafter=req.drafter_address or cfg.drafter, spec=spec,
             # a seeded request must not depend on timing: whether a predraft hits does, so it drafts in turn
             pipelined=cfg.pipelined and not o.no_pipelining and params.seed is None,
-            # an explicit deadline is kept as asked; else the configured one caps a derived one
-            deadline_s=o.draft_deadline_s or cfg.draft_deadline_s, derive_deadline=not o.draft_deadline_s,
+            # an explicit deadline is kept as asked; else the configured one caps a derived one (not
+            # for a seeded request: a derived deadline follows timing)
+            deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,
+            derive_deadline=not o.draft_deadline_s and params.seed is None,
             history=list(req.history.ids) if req.HasField("history") else None,
         )
 
