@@ -13,9 +13,10 @@ verification (other kernels, other reduction orders) flip near-ties, so speculat
 decoding can part ways. `--dtype bfloat16` halves memory traffic and is the usual choice on GPUs
 (vLLM's `auto` takes the checkpoint's dtype); with it the output is the target's up to those
 numerics, as in every GPU serving engine. `--dtype int8|int4`: weight-only quantized Linear
-layers (`specmesh.quant`, CPU); a GGUF loads straight into them. `--dtype auto`: on a CPU, the
-fastest format measured here that keeps the checkpoint's own numerics (`loader.auto_format`: int4
-for a 4-bit GGUF where its kernel wins, else float32); float32 on a GPU and under tensor parallelism.
+layers (`specmesh.quant`, CPU); a GGUF loads straight into them. `--dtype gguf`: a GGUF's tensors as
+shipped, on integer kernels (CPU). `--dtype auto`: on a CPU, the fastest format measured here that
+keeps the checkpoint's own weights (`loader.auto_format`: gguf, int4 or float32 for a GGUF, else
+float32); float32 on a GPU and under tensor parallelism.
 """
 
 from __future__ import annotations

@@ -59,12 +59,28 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SPECMESH_KERNEL_DIR") or cache_root() / "kernels")
 
 
-def library_path() -> Path:
+def keyed_library(stem: str, source: Path, headers: list[Path]) -> Path:
+    """Where the library built from `source` (including `headers`) is cached: keyed by their bytes,
+    the compiler flags, torch, Python and the machine."""
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + _POOL.read_bytes()
+        source.read_bytes() + b"".join(h.read_bytes() for h in headers)
         + " ".join(_FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
     ).hexdigest()[:16]
-    return _cache_dir() / f"small_gemm-{key}.so"
+    return _cache_dir() / f"{stem}-{key}.so"
+
+
+def unsupported() -> str:
+    """Why specmesh's compiled kernels cannot run in this process ('' when they can):
+    SPECMESH_KERNELS=0, or a CPU without AVX2/FMA (they are built with -mavx2 -mfma)."""
+    if (os.environ.get("SPECMESH_KERNELS") or "auto") == "0":
+        return "disabled by SPECMESH_KERNELS=0"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
+    return ""
+
+
+def library_path() -> Path:
+    return keyed_library("small_gemm", _SOURCE, [_POOL])
 
 
 def _compile(out: Path, source: Path = _SOURCE) -> None:
@@ -110,11 +126,8 @@ def load() -> bool:
     if mode not in ("auto", "1", "0"):
         raise ValueError(f"SPECMESH_KERNELS: expected auto, 1 or 0, got {mode!r}")
     _State.mode = mode
-    if mode == "0":
-        _State.reason = "disabled by SPECMESH_KERNELS=0"
-        return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        _State.reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
+    if why := unsupported():
+        _State.reason = why
         return False
     try:
         torch.ops.load_library(str(build()))

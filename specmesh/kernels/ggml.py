@@ -19,11 +19,8 @@ This module knows ggml types and tensors; it knows nothing about models.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.util
 import os
-import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -47,7 +44,7 @@ class _State:
     lib: Path | None = None
     cpu = None  # ctypes.CDLL of libggml-cpu
     base = None  # ctypes.CDLL of libggml-base
-    types: dict[int, tuple[int, int, int]] = {}  # ggml type -> (vec_dot, from_float, vec_dot_type)
+    types: dict[tuple[int, int], tuple[int, int, int]] = {}  # (ggml type, K) -> `_kernels`
 
 
 def ggml_library() -> Path | None:
@@ -62,11 +59,7 @@ def ggml_library() -> Path | None:
 
 
 def library_path() -> Path:
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
-        + " ".join(_k._FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
-    ).hexdigest()[:16]
-    return _k._cache_dir() / f"ggml_linear-{key}.so"
+    return _k.keyed_library("ggml_linear", _SOURCE, _HEADERS)
 
 
 def load() -> bool:
@@ -74,8 +67,8 @@ def load() -> bool:
     if _State.tried:
         return _State.op is not None
     _State.tried = True
-    if (os.environ.get("SPECMESH_KERNELS") or "auto") == "0":
-        _State.reason = "disabled by SPECMESH_KERNELS=0"
+    if why := _k.unsupported():  # the op is built with the same AVX2 flags as ours
+        _State.reason = why
         return False
     lib = ggml_library()
     if lib is None or not lib.is_file():

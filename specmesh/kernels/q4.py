@@ -14,9 +14,7 @@ This module knows 4-bit codes and tensors; it knows nothing about models or GGUF
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +46,7 @@ class PackedInt4:
 
 
 def library_path() -> Path:
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS) + " ".join(_k._FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
-    ).hexdigest()[:16]
-    return _k._cache_dir() / f"q4_gemm-{key}.so"
+    return _k.keyed_library("q4_gemm", _SOURCE, _HEADERS)
 
 
 def build() -> Path:
@@ -63,12 +58,10 @@ def load() -> bool:
     if _State.tried:
         return _State.op is not None
     _State.tried = True
-    mode = os.environ.get("SPECMESH_KERNELS") or "auto"
-    if mode == "0":
-        _State.reason = "disabled by SPECMESH_KERNELS=0"
-        return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        _State.reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
+    if why := _k.unsupported():
+        _State.reason = why
+        if (os.environ.get("SPECMESH_KERNELS") or "auto") == "0":
+            return False  # asked for: nothing to say
     else:
         try:
             torch.ops.load_library(str(build()))

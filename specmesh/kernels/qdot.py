@@ -16,10 +16,6 @@ the thread count (batch invariance). This module knows codes and tensors, nothin
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,11 +48,7 @@ class Packed:
 
 
 def library_path() -> Path:
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
-        + " ".join(_k._FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
-    ).hexdigest()[:16]
-    return _k._cache_dir() / f"qdot_gemm-{key}.so"
+    return _k.keyed_library("qdot_gemm", _SOURCE, _HEADERS)
 
 
 def load() -> bool:
@@ -64,11 +56,8 @@ def load() -> bool:
     if _State.tried:
         return _State.op is not None
     _State.tried = True
-    if (os.environ.get("SPECMESH_KERNELS") or "auto") == "0":
-        _State.reason = "disabled by SPECMESH_KERNELS=0"
-        return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        _State.reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2"
+    if why := _k.unsupported():
+        _State.reason = why
         return False
     try:
         torch.ops.load_library(str(_k.build_library(library_path(), _SOURCE, "integer CPU kernel")))
