@@ -107,6 +107,7 @@ class Segment:
     want_hidden: bool = False  # fill `hidden` with the final hidden states (before the norm), [T, hidden]
     hidden: torch.Tensor | None = None
     exact: bool = True  # rows bitwise as if decoded alone (`_attention_by_row`); drafters need not
+    row_keys: list[torch.Tensor] | None = None  # exact rows: each row's key slots, from `mask`, once per forward
 
 
 class Linear(nn.Linear):
@@ -119,23 +120,23 @@ class Linear(nn.Linear):
 ROW_ATTENTION_MAX = 64  # segments of up to this many rows attend row by row (`_attention_by_row`)
 
 
-def _attention_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      start: int) -> torch.Tensor:
+def _attention_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      row_keys: list[torch.Tensor] | None, start: int) -> torch.Tensor:
     """Attention of q [H, T, D] over keys/values [H_kv, S, D], each row computed alone over exactly
     the keys it sees, gathered in slot order into a contiguous [H_kv, S_i, D]: the same call, on the
     same values, as decoding that token by itself. A batched kernel sums over a row's keys in an
     order that depends on T and on where the masked-out keys lie, so a tree's rows would differ from
     one-token decoding in the last bits; with 8-bit activations (`gguf`) such bits can flip a
     rounding and grow into different tokens. Decode steps and trees are small; prefills of more
-    than ROW_ATTENTION_MAX rows use the batched kernel (run alike for plain and speculative decoding)."""
+    than ROW_ATTENTION_MAX rows use the batched kernel (run alike for plain and speculative decoding).
+    `row_keys`: row i's key slots (None: causal, slots [0, start + i])."""
     gqa = q.shape[0] != keys.shape[0]
     out = []
     for i in range(q.shape[1]):
-        if mask is None:  # causal: slots [0, start + i]
+        if row_keys is None:
             k_i, v_i = keys[:, :start + i + 1].contiguous(), values[:, :start + i + 1].contiguous()
         else:
-            idx = mask[i].nonzero().squeeze(1)
-            k_i, v_i = keys.index_select(1, idx), values.index_select(1, idx)
+            k_i, v_i = keys.index_select(1, row_keys[i]), values.index_select(1, row_keys[i])
         out.append(F.scaled_dot_product_attention(q[:, i:i + 1].unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0),
                                                   enable_gqa=gqa)[0])  # [H, 1, D]
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
@@ -171,7 +172,7 @@ class Attention(nn.Module):
             s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
             keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
             if s.exact and n <= ROW_ATTENTION_MAX:
-                outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.mask, s.start))
+                outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.row_keys, s.start))
             else:
                 outs.append(F.scaled_dot_product_attention(
                     q[:, row:row + n].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
@@ -276,6 +277,8 @@ class Transformer(nn.Module):
             s.cache.ensure_capacity(s.start + t)
             if s.mask is None and t > 1:
                 s.mask = causal_mask(s.start, t, s.tokens.device)
+            if s.exact and t <= ROW_ATTENTION_MAX and s.mask is not None:  # the same for every layer
+                s.row_keys = [r.nonzero().squeeze(1) for r in s.mask]
         tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self._rope(positions, self.model.norm.weight.dtype)
