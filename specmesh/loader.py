@@ -286,14 +286,17 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 def fastest_format(n: int, k: int, formats: tuple[str, ...]) -> str:
     """The fastest of `formats` for a Linear of weight shape [n, k] on this machine
-    (`quant.time_formats`), timed once per CPU, thread count, torch and SPECMESH_KERNELS, cached
+    (`quant.time_formats`), timed once per CPU, thread count, torch, SPECMESH_KERNELS and kernel build, cached
     beside the kernels; one stderr line says what was measured."""
     from specmesh import quant
     from specmesh.kernels import dispatch
 
+    from specmesh.kernels import q4, qdot
+
     key = {"what": "time_formats", "formats": list(formats), "shape": [n, k], "cpu": dispatch.cpu_model(),
            "flags": dispatch.cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "kernels": os.environ.get("SPECMESH_KERNELS", "auto")}
+           "kernels": os.environ.get("SPECMESH_KERNELS", "auto"),
+           "libraries": [lib.library_path().name for lib in (kernels, q4, qdot)]}  # a rebuilt kernel re-times
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cached = kernels._cache_dir() / f"auto-format-{digest}.json"
     try:
@@ -357,12 +360,7 @@ def requantize_to_4bit(model: Transformer) -> Transformer:
             c = quantize_int4(m.dequantized())
             parent, child = name.rsplit(".", 1) if "." in name else ("", name)
             setattr(model.get_submodule(parent), child, QuantLinear.from_codes(c.q, c.scale, c.zero - 8 * c.scale, 4, m.bias))
-            shipped = info.as_shipped.get(m.kernel, {})
-            if shipped.get(m.source, 0) > 1:
-                shipped[m.source] -= 1
-            else:
-                shipped.pop(m.source, None)
-            info.note(name, m.source)
+            info.requantize_shipped(m.kernel, m.source)
     return model
 
 

@@ -373,6 +373,15 @@ class WeightFormat:
         types = self.as_shipped.setdefault(kernel, {})
         types[source_type] = types.get(source_type, 0) + 1
 
+    def requantize_shipped(self, kernel: str, source_type: str) -> None:
+        """One tensor held as shipped on `kernel` was requantized after all."""
+        types = self.as_shipped.get(kernel, {})
+        if types.get(source_type, 0) > 1:
+            types[source_type] -= 1
+        else:
+            types.pop(source_type, None)
+        self.note("", source_type)
+
     def note(self, module: str, source_type: str) -> None:
         self.requantized[source_type] = self.requantized.get(source_type, 0) + 1
 
