@@ -131,13 +131,57 @@ def gguf_q6k_codes(raw: np.ndarray, n: int, k: int) -> Int6Codes:
     of 256: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales, fp16 d; per half of 128,
     code l + 32 j takes a nibble of ql[l + 32 (j % 2)] (low for j < 2) and bits 2 j of qh[l]."""
     b = np.ascontiguousarray(raw).reshape(-1, 210)
-    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
     sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [blocks, 16]
     d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    return Int6Codes(_q6k_q(b, n, k), torch.from_numpy((d * sc).reshape(n, k // 16).copy()))
+
+
+def _q6k_q(b: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """Q6_K blocks [blocks, 210] -> codes [N, K] uint8 in 0..63."""
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
     lo = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], 2)
     hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 2)  # [blocks, half, j, 32]
-    q = (lo | (hi << 4)).astype(np.uint8).reshape(n, k)
-    return Int6Codes(torch.from_numpy(q.copy()), torch.from_numpy((d * sc).reshape(n, k // 16).copy()))
+    return torch.from_numpy((lo | (hi << 4)).astype(np.uint8).reshape(n, k).copy())
+
+
+@dataclass
+class SuperCodes:
+    """A GGUF K-quant tensor in its own form: w[n, k] = q * (d * sc) + dm * mn per group of GS
+    inputs, d and dm fp32 per super-block (256 inputs), sc and mn small integers per group (mn None:
+    mn = sc). `bits`: the `specmesh.kernels.qdot` code layout."""
+    q: torch.Tensor  # [N, K] int16
+    d: torch.Tensor  # [N, K / 256] fp32
+    dm: torch.Tensor  # [N, K / 256] fp32
+    sc: torch.Tensor  # [N, K / GS] int8
+    mn: torch.Tensor | None  # [N, K / GS] int8
+    bits: int
+
+    def rows(self, order: torch.Tensor) -> "SuperCodes":
+        return SuperCodes(self.q[order], self.d[order], self.dm[order], self.sc[order],
+                          None if self.mn is None else self.mn[order], self.bits)
+
+
+SUPER_TYPES = ("Q4_K", "Q6_K")  # held in the file's own (d, dm, sc, mn) form
+
+
+def gguf_super_codes(raw: np.ndarray, qtype_name: str, n: int, k: int) -> SuperCodes:
+    """The codes, super-block scales and group multipliers of a GGUF Q4_K (w = d sc q - dmin mn) or
+    Q6_K (w = d sc (q - 32)) tensor ([N, row bytes] uint8), as stored."""
+    f16 = lambda a: torch.from_numpy(a.copy().view(np.float16).astype(np.float32).reshape(n, k // 256))  # noqa: E731
+    if qtype_name == "Q4_K":
+        from gguf.quants import Q4_K
+
+        b = np.ascontiguousarray(raw).reshape(-1, 144)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])  # [blocks, 8] each, 0..63
+        q = torch.from_numpy(_nibbles(b[:, 16:], 32).reshape(n, k).astype(np.int16))
+        i8 = lambda a: torch.from_numpy(a.astype(np.int8).reshape(n, k // 32))  # noqa: E731
+        return SuperCodes(q, f16(b[:, :2]), -f16(b[:, 2:4]), i8(sc), i8(mn), 4)
+    if qtype_name != "Q6_K":
+        raise ValueError(f"gguf_super_codes: {qtype_name} is not a K-quant held in its own form")
+    b = np.ascontiguousarray(raw).reshape(-1, 210)
+    d = f16(b[:, 208:210])
+    sc = torch.from_numpy(b[:, 192:208].copy().view(np.int8).reshape(n, k // 16))
+    return SuperCodes(_q6k_q(b, n, k).to(torch.int16), d, -32 * d, sc, None, 6)
 
 
 BYTE_TYPES = {"Q6_K": 6, "Q5_0": 6, "Q5_1": 6, "Q8_0": 8}  # -> specmesh.kernels.qdot layout
@@ -227,6 +271,9 @@ class QuantLinear(nn.Module):
         if name in _BLOCK or name in BYTE_TYPES:
             if not qdot.available() or k % 32:
                 return None
+            if name in SUPER_TYPES:
+                c = gguf_super_codes(raw, name, n, k)
+                return QuantLinear.from_super(c if rows is None else c.rows(rows), bias)
             if name in BYTE_TYPES:
                 q, scale, bias_, bits = gguf_byte_codes(raw, name, n, k)
             else:
@@ -252,13 +299,30 @@ class QuantLinear(nn.Module):
         (`specmesh.kernels.qdot.pack`), plus the output `bias`."""
         from specmesh.kernels import qdot
 
-        n, k = q.shape
-        m = QuantLinear("gguf", k, n, bias)
-        p = qdot.pack(q, scale, offset, bits)
-        m.kernel, m.bits = "specmesh-qdot", bits
-        m.register_buffer("qd_codes", p.codes)  # [N/8, K/GS, 4, 32] uint8
-        m.register_buffer("qd_sb", p.sb)  # [N/8, K/GS, 2, 8] fp32 scales, offsets
+        return QuantLinear._on_qdot(qdot.pack(q, scale, offset, bits), bias)
+
+    @staticmethod
+    def from_super(c: SuperCodes, bias: torch.Tensor | None) -> "QuantLinear":
+        """A `gguf` layer on specmesh's integer kernel holding a K-quant in its own form
+        (`specmesh.kernels.qdot.pack_super`): about the file's bits per weight."""
+        from specmesh.kernels import qdot
+
+        return QuantLinear._on_qdot(qdot.pack_super(c.q, c.d, c.dm, c.sc, c.mn, c.bits), bias)
+
+    @staticmethod
+    def _on_qdot(p, bias: torch.Tensor | None) -> "QuantLinear":
+        m = QuantLinear("gguf", p.k, p.n, bias)
+        m.kernel, m.bits, m.supergroups = "specmesh-qdot", p.bits, p.s
+        m.register_buffer("qd_codes", p.codes)  # `specmesh.kernels.qdot.Packed`'s fields
+        m.register_buffer("qd_sb", p.sb)
+        m.register_buffer("qd_sc", p.sc)
         return m
+
+    def _packed(self):
+        from specmesh.kernels import qdot
+
+        return qdot.Packed(self.qd_codes, self.qd_sb, self.qd_sc, self.out_features, self.in_features, self.bits,
+                           self.supergroups)
 
     @staticmethod
     def from_int4(codes: Int4Codes, bias: torch.Tensor | None) -> "QuantLinear":
@@ -292,7 +356,8 @@ class QuantLinear(nn.Module):
             if self.kernel == "ggml":
                 y = ggml.linear(x2, self.blocks, self.qtype)  # [M, N]
             else:
-                y = qdot.linear(x2, self.qd_codes, self.qd_sb, self.out_features, self.bits)
+                y = qdot.linear(x2, self.qd_codes, self.qd_sb, self.qd_sc, self.out_features, self.bits,
+                                self.supergroups)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.out_features)
@@ -327,7 +392,11 @@ class QuantLinear(nn.Module):
 
                 w = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype))
                 return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(self.out_features, self.in_features).copy())
-            return _unpack_qdot(self.qd_codes, self.qd_sb, self.out_features, self.in_features, self.bits)
+            from specmesh.kernels import qdot
+
+            q, scale, bias = qdot.unpack(self._packed())
+            w = q.float().view(self.out_features, scale.shape[1], -1) * scale[..., None] + bias[..., None]
+            return w.view(self.out_features, self.in_features)
         if self.fmt == "int8":
             return self.qweight.float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features)  # fp32 in, fp32 scales: each output is one weight, exactly
@@ -342,22 +411,6 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt}{' ' + self.kernel if self.kernel else ''}, in_features={self.in_features}, out_features={self.out_features}"
-
-
-def _unpack_qdot(codes: torch.Tensor, sb: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
-    """q * scale + bias [N, K] from `specmesh.kernels.qdot.pack`'s layout (its inverse)."""
-    nb, g = codes.shape[:2]
-    gs = 32 if bits == 4 else 16
-    if bits == 4:  # [NB, G, c, r, i] byte = q[h=0] | q[h=1] << 4, k = 32 g + 8 c + 4 h + i
-        c = codes.view(nb, g, 4, 8, 4)
-        q = torch.stack([c & 0x0F, c >> 4], -1).permute(0, 3, 1, 2, 5, 4).reshape(nb * 8, k)
-    else:  # [NB, G, c, r, i], k = 16 g + 4 c + i; layout 8: signed bytes
-        c = codes.view(torch.int8) if bits == 8 else codes
-        q = c.view(nb, g, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(nb * 8, k)
-    scale = sb[:, :, 0].permute(0, 2, 1).reshape(nb * 8, g)
-    bias = sb[:, :, 1].permute(0, 2, 1).reshape(nb * 8, g)
-    w = q.float().view(nb * 8, g, gs) * scale[..., None] + bias[..., None]
-    return w.view(nb * 8, k)[:n]
 
 
 @dataclass
@@ -440,9 +493,13 @@ def _timed_layer(fmt: str, w: torch.Tensor, g: torch.Generator):
         return lambda x: kernels.linear(x, w)  # the measured fp32 choice (small-M kernel or torch)
     if fmt == "gguf":  # 4-bit codes in the integer kernel, as a Q4_K tensor loads
         n, k = w.shape
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        s = torch.rand(n, k // GROUP, generator=g) * 0.01
-        return QuantLinear.from_codes(q, s, -8 * s, 4, None)
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int16)
+        if k % 256:  # no K-quant of this width: 4-bit codes with fp32 group parameters
+            s = torch.rand(n, k // GROUP, generator=g) * 0.01
+            return QuantLinear.from_codes(q, s, -8 * s, 4, None)
+        d = torch.rand(n, k // 256, generator=g) * 1e-3
+        sc = torch.randint(0, 64, (n, k // GROUP), generator=g, dtype=torch.int8)
+        return QuantLinear.from_super(SuperCodes(q, d, -d, sc, sc, 4), None)
     return QuantLinear.from_float(w, None, fmt)
 
 

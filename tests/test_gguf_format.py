@@ -17,7 +17,7 @@ from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.kernels import ggml, qdot
 from specmesh.loader import model_from_hf
-from specmesh.quant import QuantLinear, WeightFormat, gguf_int4_codes, gguf_q6k_codes
+from specmesh.quant import QuantLinear, SuperCodes, WeightFormat, gguf_int4_codes, gguf_q6k_codes
 from specmesh.sampling import SamplingParams
 from tests.tiny_models import random_hf_model
 
@@ -67,6 +67,29 @@ def test_the_integer_kernel_computes_its_stated_arithmetic(bits):
     assert torch.equal(layer.dequantized(), w.view(n, k))  # the layout round-trips
 
 
+@pytest.mark.parametrize("bits,planes", [(4, 2), (6, 1), (8, 2)])
+def test_super_block_scales_compute_the_stated_arithmetic(bits, planes):
+    """The K-quants' own form: scale = d * sc, bias = dm * mn (mn = sc with one plane), one fp32
+    product each, then the same sums as with fp32 pairs."""
+    g = torch.Generator().manual_seed(10 + bits)
+    n, k, gs = 45, 512, qdot.GROUP[bits]
+    lo, hi = qdot.CODES[bits]
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int16)
+    d, dm = torch.rand(n, k // 256, generator=g) * 1e-3, -torch.rand(n, k // 256, generator=g) * 1e-3
+    sc = torch.randint(-64, 64, (n, k // gs), generator=g, dtype=torch.int8)
+    mn = torch.randint(0, 64, (n, k // gs), generator=g, dtype=torch.int8) if planes == 2 else None
+    layer = QuantLinear.from_super(SuperCodes(q, d, dm, sc, mn, bits), None)
+    scale = d.repeat_interleave(256 // gs, 1) * sc.float()
+    offset = dm.repeat_interleave(256 // gs, 1) * (sc if mn is None else mn).float()
+    x = torch.randn(6, k, generator=g)
+    want = _reference(x, q, scale, offset)
+    assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
+    w = q.float().view(n, -1, gs) * scale[..., None] + offset[..., None]
+    assert torch.equal(layer.dequantized(), w.view(n, k))
+    per_group = QuantLinear.from_codes(q, scale, offset, bits, None)  # the same weights, fp32 pairs
+    assert torch.equal(layer(x), per_group(x)) and layer.nbytes() < per_group.nbytes()
+
+
 def test_k_quant_codes_are_the_files_weights():
     n, k = 16, 512
     raw = _kquant_blocks(T.Q6_K, n, k)
@@ -81,6 +104,8 @@ def test_k_quant_codes_are_the_files_weights():
         assert layer.kernel == "specmesh-qdot", qtype
         # q * scale + offset, the offset folded per group: a few fp32 roundings off gguf's own formula
         assert (layer.dequantized() - ref).abs().max() <= 1e-6 * ref.abs().max(), qtype
+        if qtype in (T.Q4_K, T.Q6_K):  # held as shipped: about the file's bytes, not fp32 pairs per group
+            assert layer.supergroups > 0 and layer.nbytes() <= 1.1 * raw.nbytes, qtype
 
 
 def _layers(k: int = 256, n: int = 72) -> dict[str, QuantLinear]:

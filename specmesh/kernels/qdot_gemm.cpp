@@ -3,8 +3,15 @@
 // 32 (xq = round(x * 127 / max|x|), one fp32 step dx per block), the way llama.cpp multiplies GGUF
 // blocks. Three code layouts:
 //   BITS 4: q in 0..15, GS 32 (GGUF Q4_0 / Q4_1 / Q4_K), two codes a byte;
-//   BITS 6: q in 0..63, GS 16 (GGUF Q6_K, Q5_0 / Q5_1 as pairs of 16-groups), one byte a code;
+//   BITS 6: q in 0..63, GS 16 (GGUF Q6_K, Q5_0 / Q5_1 as pairs of 16-groups), a nibble plane and a
+//           2-bit plane, 6 bits a code;
 //   BITS 8: q in -128..127, GS 16 (GGUF Q8_0 as pairs of 16-groups), one signed byte a code.
+// Two ways to hold (scale, bias):
+//   S 0: one fp32 pair per group;
+//   S > 0 (GGUF K-quants, the file's own form): per super-block of S groups an fp32 pair (d, dm), per
+//        group int8 multipliers (sc, mn): scale = d * sc, bias = dm * mn, each one fp32 product, as
+//        the file's dequantization computes it (Q4_K: 4.75 bits a weight, Q6_K: 6.75, as shipped).
+//        P 1 plane of multipliers (mn = sc: Q6_K) or 2.
 // y[m, n] = sum_g scale[n, g] * dx[m, g] * (sum_k in g q[n, k] xq[m, k]) + bias[n, g] * xs[m, g],
 // xs = dx * sum of xq over the group. The integer sums are exact; the fp32 part is, per output, one
 // fixed sequence (groups ascending, two FMAs each) whatever M, the tiling or the thread split: the
@@ -13,13 +20,17 @@
 // Why this and not ggml's vec_dot (specmesh.kernels.ggml) for every row count: a dot product per
 // output unpacks a weight block again for every activation row, so M rows cost ~M times one. Here a
 // block of 8 output rows is unpacked once and meets up to 4 activation rows; an extra row costs a
-// maddubs and an add per 32 weights.
+// maddubs and an add per 32 weights. One row is bound by memory bandwidth: the bytes a weight takes
+// are what a decode step pays.
 //
 // Layout (specmesh.kernels.qdot.pack): output rows in blocks of 8, one 32-bit lane per row, so a
 // broadcast of 4 activation bytes meets 4 consecutive inputs of all 8 rows:
 //   BITS 4: codes [N/8, K/32, 4, 32]: chunk c byte 4r + i = q[8b + r][32g + 8c + i] | q[8b + r][32g + 8c + 4 + i] << 4
-//   BITS 6, 8: codes [N/8, K/16, 4, 32]: chunk c byte 4r + i = q[8b + r][16g + 4c + i]
-//   sb [N/8, K/GS, 2, 8] float: the 8 rows' scales, then their biases.
+//   BITS 8: codes [N/8, K/16, 4, 32]: chunk c byte 4r + i = q[8b + r][16g + 4c + i]
+//   BITS 6: codes [N/8, K/16, 96]: with chunk c byte j as for BITS 8, bytes [32h, 32h + 32) hold chunk
+//           2h in the low nibble and 2h + 1 in the high, bytes [64, 96) chunk c's top 2 bits at bit 2c.
+//   S 0: sb [N/8, K/GS, 2, 8] float: the 8 rows' scales, then their biases.
+//   S > 0: sb [N/8, K/GS/S, 2, 8] float: d, then dm; sc [N/8, K/GS, P, 8] int8: sc, then mn.
 // Rows past N are zero padding.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -35,6 +46,9 @@ namespace {
 
 constexpr int LANES = 8;  // output rows per block
 constexpr int XB = 32;    // activation quantization block
+// Software prefetch distance in groups (~3 KB of codes ahead): one row's product is bound by memory,
+// and the hardware prefetcher alone left the core waiting (1.1-1.2x slower decode steps).
+constexpr int PF = 24;
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -55,22 +69,33 @@ struct Product {
   const float* XS;   // [M, K / GS]: dx * sum of xq over the group
   const uint8_t* C;
   const float* SB;
+  const int8_t* SC;  // S > 0: the groups' multipliers
   float* Y;
-  int64_t M, K, N, NB, blocks_per_chunk;
+  int64_t M, K, N, NB, blocks_per_chunk, S;
 };
 
-// One block of 8 output rows against activation rows [m0, m0 + MM).
-template <int BITS, int MM>
+inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One block of 8 output rows against activation rows [m0, m0 + MM); P 0: fp32 pairs per group (S 0),
+// else super-blocks with P planes of multipliers.
+template <int BITS, int MM, int P>
 inline void tile(const Product& p, int64_t m0, int64_t b) {
   constexpr int GS = BITS == 4 ? 32 : 16;
   const int64_t G = p.K / GS, XG = p.K / XB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MM];
   for (int i = 0; i < MM; ++i) acc[i] = _mm256_setzero_ps();
-  const uint8_t* cb = p.C + b * G * 128;
-  const float* sbb = p.SB + b * G * 2 * LANES;
+  constexpr int CB = BITS == 6 ? 96 : 128;  // code bytes per group of a block
+  const uint8_t* cb = p.C + b * G * CB;
+  const float* sbb = p.SB + b * (P ? G / p.S : G) * 2 * LANES;
+  const int8_t* scb = P ? p.SC + b * G * P * LANES : nullptr;
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = cb + g * 128;
+    const uint8_t* c = cb + g * CB;
+    _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB + 64), _MM_HINT_T0);
+    if constexpr (P == 0) _mm_prefetch(reinterpret_cast<const char*>(sbb + (g + PF) * 2 * LANES), _MM_HINT_T0);
     __m256i isum[MM];
     if constexpr (BITS == 4) {
       // 8 maddubs of codes <= 15 and |xq| <= 127 per int16 lane: |sum| <= 8 * 2 * 15 * 127 < 2^15.
@@ -104,8 +129,15 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
       }
     } else {
       // codes <= 63: two maddubs per int16 lane at most (2 * 2 * 63 * 127 < 2^15), then widen.
-      __m256i v[4];
-      for (int ch = 0; ch < 4; ++ch) v[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
+      // Unpack: nibbles, and each chunk's 2 top bits moved to bits 4..5 (16-bit shifts, then a byte mask).
+      const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64)), top = _mm256_set1_epi8(0x30);
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(n0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
+          _mm256_or_si256(_mm256_and_si256(n1, low4), _mm256_and_si256(h, top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};
       for (int i = 0; i < MM; ++i) {
         const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 16;
         const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_set1_epi32(quad(xq))),
@@ -115,7 +147,16 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
         isum[i] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(d, ones));
       }
     }
-    const __m256 s = _mm256_loadu_ps(sbb + g * 2 * LANES), bias = _mm256_loadu_ps(sbb + g * 2 * LANES + LANES);
+    __m256 s, bias;
+    if constexpr (P == 0) {
+      s = _mm256_loadu_ps(sbb + g * 2 * LANES);
+      bias = _mm256_loadu_ps(sbb + g * 2 * LANES + LANES);
+    } else {
+      const float* dd = sbb + (g / p.S) * 2 * LANES;
+      const __m256 sc = widen8(scb + g * P * LANES);
+      s = _mm256_mul_ps(_mm256_loadu_ps(dd), sc);
+      bias = _mm256_mul_ps(_mm256_loadu_ps(dd + LANES), P == 2 ? widen8(scb + g * P * LANES + LANES) : sc);
+    }
     for (int i = 0; i < MM; ++i) {
       const int64_t m = m0 + i;
       const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(p.DX[m * XG + (g * GS) / XB]));
@@ -136,31 +177,44 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
   }
 }
 
-template <int BITS>
+template <int BITS, int P>
 void chunk(const void* ctx, int64_t c) {
   const Product& p = *static_cast<const Product*>(ctx);
   const int64_t end = std::min(p.NB, (c + 1) * p.blocks_per_chunk);
   for (int64_t b = c * p.blocks_per_chunk; b < end; ++b) {
     int64_t m = 0;
-    for (; m + 4 <= p.M; m += 4) tile<BITS, 4>(p, m, b);
+    for (; m + 4 <= p.M; m += 4) tile<BITS, 4, P>(p, m, b);
     switch (p.M - m) {
-      case 3: tile<BITS, 3>(p, m, b); break;
-      case 2: tile<BITS, 2>(p, m, b); break;
-      case 1: tile<BITS, 1>(p, m, b); break;
+      case 3: tile<BITS, 3, P>(p, m, b); break;
+      case 2: tile<BITS, 2, P>(p, m, b); break;
+      case 1: tile<BITS, 1, P>(p, m, b); break;
       default: break;
     }
   }
 }
 
-at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, int64_t N, int64_t bits) {
+using ChunkFn = void (*)(const void*, int64_t);
+
+template <int BITS>
+ChunkFn chunk_for(int64_t planes) {
+  return planes == 0 ? &chunk<BITS, 0> : planes == 1 ? &chunk<BITS, 1> : &chunk<BITS, 2>;
+}
+
+at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, const at::Tensor& sc,
+                       int64_t N, int64_t bits, int64_t S) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "qdot_linear: x fp32 CPU [M, K]");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qdot_linear: bits 4, 6 or 8");
   const int64_t M = x_in.size(0), K = x_in.size(1), GS = bits == 4 ? 32 : 16, G = K / GS, NB = (N + LANES - 1) / LANES;
   TORCH_CHECK(K % XB == 0, "qdot_linear: K must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == NB * G * 128,
-              "qdot_linear: codes [N/8, K/GS, 4, 32] uint8");
-  TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == NB * G * 2 * LANES,
-              "qdot_linear: sb [N/8, K/GS, 2, 8] float");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == NB * G * (bits == 6 ? 96 : 128),
+              "qdot_linear: codes [N/8, K/GS, 128] uint8 (96 for bits 6)");
+  TORCH_CHECK(S >= 0 && (S == 0 || G % S == 0), "qdot_linear: S must divide K/GS");
+  const int64_t planes = S == 0 ? 0 : sc.numel() / std::max<int64_t>(1, NB * G * LANES);
+  TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == NB * (S ? G / S : G) * 2 * LANES,
+              "qdot_linear: sb [N/8, K/GS (/ S), 2, 8] float");
+  TORCH_CHECK(S == 0 || (sc.scalar_type() == at::kChar && sc.is_contiguous() && (planes == 1 || planes == 2) &&
+                         sc.numel() == NB * G * planes * LANES),
+              "qdot_linear: sc [N/8, K/GS, 1 or 2, 8] int8");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -195,14 +249,15 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   }
   // ~32 KB of codes a chunk: cheap to claim, many per thread.
   const int64_t per = std::max<int64_t>(1, 32768 / (G * 128));
-  const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), sb.data_ptr<float>(), y.data_ptr<float>(),
-                  M, K, N, NB, per};
-  specmesh_pool::parallel_chunks((NB + per - 1) / per, bits == 4 ? &chunk<4> : bits == 6 ? &chunk<6> : &chunk<8>, &p);
+  const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), sb.data_ptr<float>(),
+                  S ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
+  specmesh_pool::parallel_chunks((NB + per - 1) / per,
+                                 bits == 4 ? chunk_for<4>(planes) : bits == 6 ? chunk_for<6>(planes) : chunk_for<8>(planes), &p);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(specmesh_qdot, m) {
-  m.def("qdot_linear(Tensor x, Tensor codes, Tensor sb, int n, int bits) -> Tensor", &qdot_linear);
+  m.def("qdot_linear(Tensor x, Tensor codes, Tensor sb, Tensor sc, int n, int bits, int s) -> Tensor", &qdot_linear);
 }
