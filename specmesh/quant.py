@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.kernels import ggml, qdot
+
 FORMATS = ("fp32", "bf16", "int8", "int4", "gguf")
 GROUP = 32  # int4 group size: a GGUF 4-bit block is 32 weights
 COMPUTE_DTYPE = torch.bfloat16  # the int kernels' fast activation dtype on CPU
@@ -264,8 +266,6 @@ class QuantLinear(nn.Module):
     @staticmethod
     def _from_gguf(raw: np.ndarray, qtype, k: int, bias: torch.Tensor | None,
                    rows: torch.Tensor | None) -> "QuantLinear | None":
-        from specmesh.kernels import ggml, qdot
-
         n = raw.shape[0]
         name = qtype.name
         if name in _BLOCK or name in BYTE_TYPES:
@@ -297,16 +297,12 @@ class QuantLinear(nn.Module):
                    bias: torch.Tensor | None) -> "QuantLinear":
         """A `gguf` layer on specmesh's integer kernel: w = q * scale + offset per group
         (`specmesh.kernels.qdot.pack`), plus the output `bias`."""
-        from specmesh.kernels import qdot
-
         return QuantLinear._on_qdot(qdot.pack(q, scale, offset, bits), bias)
 
     @staticmethod
     def from_super(c: SuperCodes, bias: torch.Tensor | None) -> "QuantLinear":
         """A `gguf` layer on specmesh's integer kernel holding a K-quant in its own form
         (`specmesh.kernels.qdot.pack_super`): about the file's bits per weight."""
-        from specmesh.kernels import qdot
-
         return QuantLinear._on_qdot(qdot.pack_super(c.q, c.d, c.dm, c.sc, c.mn, c.bits), bias)
 
     @staticmethod
@@ -319,8 +315,6 @@ class QuantLinear(nn.Module):
         return m
 
     def _packed(self):
-        from specmesh.kernels import qdot
-
         return qdot.Packed(self.qd_codes, self.qd_sb, self.qd_sc, self.out_features, self.in_features, self.bits,
                            self.supergroups)
 
@@ -348,10 +342,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale_zero", sz)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "specmesh-qdot" and x.dim() == 2 and x.dtype == torch.float32:  # a decode step's path, lean
+            y = qdot.linear(x, self.qd_codes, self.qd_sb, self.qd_sc, self.out_features, self.bits, self.supergroups)
+            return y if self.bias is None else y + self.bias
         shape = x.shape
         if self.fmt == "gguf":
-            from specmesh.kernels import ggml, qdot
-
             x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
             if self.kernel == "ggml":
                 y = ggml.linear(x2, self.blocks, self.qtype)  # [M, N]
@@ -392,8 +387,6 @@ class QuantLinear(nn.Module):
 
                 w = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype))
                 return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(self.out_features, self.in_features).copy())
-            from specmesh.kernels import qdot
-
             q, scale, bias = qdot.unpack(self._packed())
             w = q.float().view(self.out_features, scale.shape[1], -1) * scale[..., None] + bias[..., None]
             return w.view(self.out_features, self.in_features)

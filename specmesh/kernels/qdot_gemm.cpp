@@ -19,7 +19,7 @@
 //
 // Why this and not ggml's vec_dot (specmesh.kernels.ggml) for every row count: a dot product per
 // output unpacks a weight block again for every activation row, so M rows cost ~M times one. Here a
-// block of 8 output rows is unpacked once and meets up to 4 activation rows; an extra row costs a
+// block of 8 output rows is unpacked once and meets up to 8 activation rows; an extra row costs a
 // maddubs and an add per 32 weights. One row is bound by memory bandwidth: the bytes a weight takes
 // are what a decode step pays.
 //
@@ -78,13 +78,86 @@ inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 fp32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// One block of 8 output rows against activation rows [m0, m0 + MM); P 0: fp32 pairs per group (S 0),
-// else super-blocks with P planes of multipliers.
+// A group's codes of a block of 8 output rows, unpacked into registers once for all activation rows.
+template <int BITS>
+struct Codes {
+  __m256i v[8];  // BITS 4: 4 low-nibble then 4 high-nibble chunks; 8: |q| then q; 6: 4 chunks
+
+  inline explicit Codes(const uint8_t* c) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if constexpr (BITS == 4) {
+      for (int ch = 0; ch < 4; ++ch) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
+        v[ch] = _mm256_and_si256(w, low4);
+        v[4 + ch] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      }
+    } else if constexpr (BITS == 8) {
+      for (int ch = 0; ch < 4; ++ch) {
+        v[4 + ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
+        v[ch] = _mm256_abs_epi8(v[4 + ch]);
+      }
+    } else {
+      // Nibbles, and each chunk's 2 top bits moved to bits 4..5 (16-bit shifts, then a byte mask).
+      const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64)), top = _mm256_set1_epi8(0x30);
+      v[0] = _mm256_or_si256(_mm256_and_si256(n0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+      v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+      v[2] = _mm256_or_si256(_mm256_and_si256(n1, low4), _mm256_and_si256(h, top));
+      v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+    }
+  }
+
+  // The 8 rows' exact integer sums against one activation row's group (xq at its first input).
+  inline __m256i dot(const int8_t* xq) const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (BITS == 4) {
+      // 8 maddubs of codes <= 15 and |xq| <= 127 per int16 lane: |sum| <= 8 * 2 * 15 * 127 < 2^15.
+      __m256i s16 = _mm256_setzero_si256();
+      for (int ch = 0; ch < 4; ++ch) {
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[ch], _mm256_set1_epi32(quad(xq + ch * 8))));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[4 + ch], _mm256_set1_epi32(quad(xq + ch * 8 + 4))));
+      }
+      return _mm256_madd_epi16(s16, ones);
+    } else if constexpr (BITS == 8) {
+      // signed codes: maddubs takes |q| (<= 128) and x with q's sign; one per int16 lane
+      // (2 * 128 * 127 < 2^15), then widen.
+      __m256i t[4];
+      for (int ch = 0; ch < 4; ++ch)
+        t[ch] = _mm256_madd_epi16(_mm256_maddubs_epi16(v[ch], _mm256_sign_epi8(_mm256_set1_epi32(quad(xq + 4 * ch)), v[4 + ch])), ones);
+      return _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]), _mm256_add_epi32(t[2], t[3]));
+    } else {
+      // codes <= 63: two maddubs per int16 lane at most (2 * 2 * 63 * 127 < 2^15), then widen.
+      const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_set1_epi32(quad(xq))),
+                                         _mm256_maddubs_epi16(v[1], _mm256_set1_epi32(quad(xq + 4))));
+      const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], _mm256_set1_epi32(quad(xq + 8))),
+                                         _mm256_maddubs_epi16(v[3], _mm256_set1_epi32(quad(xq + 12))));
+      return _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(d, ones));
+    }
+  }
+};
+
+// R activation rows from m (unrolled) against a group's codes: acc[i] += scale dx isum, then bias xs.
+template <int BITS, int R>
+inline void rows_of(const Codes<BITS>& u, const Product& p, int64_t m, int64_t g, __m256 s, __m256 bias, __m256* acc) {
+  constexpr int GS = BITS == 4 ? 32 : 16;
+  const int64_t G = p.K / GS, XG = p.K / XB;
+  __m256i isum[R];
+  for (int i = 0; i < R; ++i) isum[i] = u.dot(p.XQ + (m + i) * p.K + g * GS);
+  for (int i = 0; i < R; ++i) {
+    const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(p.DX[(m + i) * XG + (g * GS) / XB]));
+    acc[i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(isum[i]), acc[i]);
+    acc[i] = _mm256_fmadd_ps(bias, _mm256_set1_ps(p.XS[(m + i) * G + g]), acc[i]);
+  }
+}
+
+// One block of 8 output rows against activation rows [m0, m0 + MM), unrolled: each group's codes
+// unpacked once for all MM rows. P 0: fp32 pairs per group (S 0), else super-blocks with P planes
+// of multipliers.
 template <int BITS, int MM, int P>
 inline void tile(const Product& p, int64_t m0, int64_t b) {
   constexpr int GS = BITS == 4 ? 32 : 16;
-  const int64_t G = p.K / GS, XG = p.K / XB;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t G = p.K / GS;
   __m256 acc[MM];
   for (int i = 0; i < MM; ++i) acc[i] = _mm256_setzero_ps();
   constexpr int CB = BITS == 6 ? 96 : 128;  // code bytes per group of a block
@@ -96,57 +169,7 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
     _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB + 64), _MM_HINT_T0);
     if constexpr (P == 0) _mm_prefetch(reinterpret_cast<const char*>(sbb + (g + PF) * 2 * LANES), _MM_HINT_T0);
-    __m256i isum[MM];
-    if constexpr (BITS == 4) {
-      // 8 maddubs of codes <= 15 and |xq| <= 127 per int16 lane: |sum| <= 8 * 2 * 15 * 127 < 2^15.
-      __m256i s16[MM];
-      for (int i = 0; i < MM; ++i) s16[i] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int ch = 0; ch < 4; ++ch) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        for (int i = 0; i < MM; ++i) {
-          const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 32 + ch * 8;
-          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad(xq))));
-          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad(xq + 4))));
-        }
-      }
-      for (int i = 0; i < MM; ++i) isum[i] = _mm256_madd_epi16(s16[i], ones);
-    } else if constexpr (BITS == 8) {
-      // signed codes: maddubs takes |q| (<= 128) and x with q's sign; one per int16 lane
-      // (2 * 128 * 127 < 2^15), then widen.
-      __m256i v[4], a[4];
-      for (int ch = 0; ch < 4; ++ch) {
-        v[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + ch * 32));
-        a[ch] = _mm256_abs_epi8(v[ch]);
-      }
-      for (int i = 0; i < MM; ++i) {
-        const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 16;
-        __m256i t[4];
-        for (int ch = 0; ch < 4; ++ch)
-          t[ch] = _mm256_madd_epi16(_mm256_maddubs_epi16(a[ch], _mm256_sign_epi8(_mm256_set1_epi32(quad(xq + 4 * ch)), v[ch])), ones);
-        isum[i] = _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]), _mm256_add_epi32(t[2], t[3]));
-      }
-    } else {
-      // codes <= 63: two maddubs per int16 lane at most (2 * 2 * 63 * 127 < 2^15), then widen.
-      // Unpack: nibbles, and each chunk's 2 top bits moved to bits 4..5 (16-bit shifts, then a byte mask).
-      const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-      const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64)), top = _mm256_set1_epi8(0x30);
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(n0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
-          _mm256_or_si256(_mm256_and_si256(n1, low4), _mm256_and_si256(h, top)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};
-      for (int i = 0; i < MM; ++i) {
-        const int8_t* xq = p.XQ + (m0 + i) * p.K + g * 16;
-        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_set1_epi32(quad(xq))),
-                                           _mm256_maddubs_epi16(v[1], _mm256_set1_epi32(quad(xq + 4))));
-        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], _mm256_set1_epi32(quad(xq + 8))),
-                                           _mm256_maddubs_epi16(v[3], _mm256_set1_epi32(quad(xq + 12))));
-        isum[i] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(d, ones));
-      }
-    }
+    const Codes<BITS> u(c);
     __m256 s, bias;
     if constexpr (P == 0) {
       s = _mm256_loadu_ps(sbb + g * 2 * LANES);
@@ -157,12 +180,7 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
       s = _mm256_mul_ps(_mm256_loadu_ps(dd), sc);
       bias = _mm256_mul_ps(_mm256_loadu_ps(dd + LANES), P == 2 ? widen8(scb + g * P * LANES + LANES) : sc);
     }
-    for (int i = 0; i < MM; ++i) {
-      const int64_t m = m0 + i;
-      const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(p.DX[m * XG + (g * GS) / XB]));
-      acc[i] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(isum[i]), acc[i]);
-      acc[i] = _mm256_fmadd_ps(bias, _mm256_set1_ps(p.XS[m * G + g]), acc[i]);
-    }
+    rows_of<BITS, MM>(u, p, m0, g, s, bias, acc);
   }
   const int64_t n0 = b * LANES;
   for (int i = 0; i < MM; ++i) {
@@ -182,9 +200,13 @@ void chunk(const void* ctx, int64_t c) {
   const Product& p = *static_cast<const Product*>(ctx);
   const int64_t end = std::min(p.NB, (c + 1) * p.blocks_per_chunk);
   for (int64_t b = c * p.blocks_per_chunk; b < end; ++b) {
-    int64_t m = 0;
-    for (; m + 4 <= p.M; m += 4) tile<BITS, 4, P>(p, m, b);
+    int64_t m = 0;  // in unrolled tiles of up to 8 rows (faster than 4 or 6 for every M, measured)
+    for (; m + 8 <= p.M; m += 8) tile<BITS, 8, P>(p, m, b);
     switch (p.M - m) {
+      case 7: tile<BITS, 7, P>(p, m, b); break;
+      case 6: tile<BITS, 6, P>(p, m, b); break;
+      case 5: tile<BITS, 5, P>(p, m, b); break;
+      case 4: tile<BITS, 4, P>(p, m, b); break;
       case 3: tile<BITS, 3, P>(p, m, b); break;
       case 2: tile<BITS, 2, P>(p, m, b); break;
       case 1: tile<BITS, 1, P>(p, m, b); break;
@@ -219,32 +241,40 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* X = x.data_ptr<float>();
-  // Per row: int8 codes and one step per 32 inputs, and the groups' quantized sums; a fixed order each.
+  // Per row: int8 codes and one step per 32 inputs, and the groups' exact quantized sums.
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / XB)), xs(M * G);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i lim = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t j = 0; j < K / XB; ++j) {
       const float* px = X + m * K + j * XB;
-      const __m256 sign = _mm256_set1_ps(-0.0f);
       __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(px));
       for (int u = 8; u < XB; u += 8) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(px + u)));
       const float amax = hmax8(a), d = amax / 127.0f;
       dx[m * (K / XB) + j] = d;
       const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-      for (int u = 0; u < XB; u += 8) {
-        const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(px + u), inv),
-                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        alignas(32) int32_t t[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(t), q);
-        for (int e = 0; e < 8; ++e) xq[m * K + j * XB + u + e] = static_cast<int8_t>(std::max(-127, std::min(127, t[e])));
+      __m256i q[4];
+      for (int u = 0; u < 4; ++u) {
+        const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(px + 8 * u), inv),
+                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        q[u] = _mm256_max_epi32(_mm256_min_epi32(r, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
       }
-    }
-    // The bias term multiplies the same quantized inputs as the codes do, so the product is exactly
-    // sum_k w[k] * (xq[k] dx): quantization error scales with w, not with the larger q * scale.
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t t = 0;
-      for (int64_t e = 0; e < GS; ++e) t += xq[m * K + g * GS + e];
-      xs[m * G + g] = dx[m * (K / XB) + (g * GS) / XB] * static_cast<float>(t);
+      // int32 -> int8 (the packs work per 128-bit lane; the permute restores input order)
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + m * K + j * XB), _mm256_permutevar8x32_epi32(b, order));
+      // The bias term multiplies the same quantized inputs as the codes do, so the product is exactly
+      // sum_k w[k] * (xq[k] dx): quantization error scales with w, not with the larger q * scale.
+      alignas(32) int32_t t[8];
+      if (GS == 32) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        xs[m * G + j] = d * static_cast<float>(t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7]);
+      } else {
+        for (int h = 0; h < 2; ++h) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi32(q[2 * h], q[2 * h + 1]));
+          xs[m * G + 2 * j + h] = d * static_cast<float>(t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7]);
+        }
+      }
     }
   }
   // ~32 KB of codes a chunk: cheap to claim, many per thread.
