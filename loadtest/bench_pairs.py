@@ -23,8 +23,11 @@ drafter's own cheaper hardware), requests with token ids, and these rows:
 Prompts: held-out chat-templated code and prose prompts (`specmesh.distill.prompts` split
 "heldout", topics the shipped drafter never saw), every row on every prompt, interleaved prompt by
 prompt after one untimed warm-up. Generation stops at the tokenizer's EOS ids (as users run it),
-so every greedy row makes the same tokens; outputs of the greedy specmesh rows must equal the
-autoregressive verifier's ("identical"), transformers' and llama.cpp's are reported as agreement.
+so every greedy row makes the same tokens; outputs of the greedy services rows must equal the
+autoregressive verifier's ("identical"), those of an in-process speculative row its own plain
+(`none`) row's in the same format and threads ("own plain": another thread count than the
+verifier's rounds torch's reductions otherwise, so only agreement is reported against the
+verifier); transformers' and llama.cpp's are reported as agreement.
 
 Columns, as in bench_services.py: tok/s end to end and in decode (first streamed token to last);
 decode speedup vs autoregressive through the verifier; tokens per step E; verifier idle fraction;
@@ -74,7 +77,6 @@ class Row(Config):
     agree_tokens: int = 0      # ... and tokens of the common prefix, of ...
     ref_tokens: int = 0        # ... the verifier's tokens
     runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
-    other_format: bool = False  # in-process in fp32 while the services serve another format
 
 
 def service_rows() -> list[Row]:
@@ -194,8 +196,6 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
     loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
     if dtype != "float32":
-        for r in loaded.rows[:2]:
-            r.other_format = True
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
     rows = service_rows() + ([] if services_only else loaded.rows)
     live = [r for r in rows if r.status == "ok"]
@@ -211,12 +211,15 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
                         sampled=r.sampled, runner=r.runner), address, prompts[0], 4, stop, spec)
         for pi, ids in enumerate(prompts):
             ref = run_row(live[0], address, ids, n, stop, spec)
+            outs: dict[str, list[int]] = {}  # this prompt's outputs (an in-process none row precedes its twin)
             for r in live[1:]:
-                out = run_row(r, address, ids, n, stop, spec)
+                out = outs[r.name] = run_row(r, address, ids, n, stop, spec)
                 if r.sampled:
                     continue
-                if r.where in ("tp1", "inproc") and not r.other_format:
+                if r.where == "tp1":
                     r.identical &= out == ref
+                elif r.where == "inproc" and r.drafter != "none":
+                    r.identical &= out == outs.get(r.name.replace("speculative", "none"))
                 common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
                 r.agree_prompts += out == ref
                 r.agree_tokens += common
@@ -255,8 +258,10 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
         if not r.sampled:
             d["greedy_identical_prompts"] = f"{r.agree_prompts}/{n_prompts}" if r is not ar else f"{n_prompts}/{n_prompts}"
             d["greedy_token_agreement"] = round(r.agree_tokens / r.ref_tokens, 4) if r.ref_tokens else 1.0
-            if r.where in ("tp1", "inproc") and not r.other_format:
+            if r.where == "tp1":
                 d["identical_to_autoregressive"] = r.identical
+            elif r.where == "inproc" and r.drafter != "none":
+                d["identical_to_own_plain"] = r.identical
         if r.where in ("tp1", "inproc") and r.steps:
             # each runtime's own plain decode step (in its own weight format) is its unit
             base = ar if r.where == "tp1" else by.get(r.name.replace("speculative", "none"), inproc_none)
@@ -392,17 +397,21 @@ def checks(results: list[dict]) -> dict:
                                    for k, o in pairs if o in by}
     if "of_bound" in by.get("services default pipelining on", {}):
         out["default_of_bound"] = by["services default pipelining on"]["of_bound"]
-    none_inproc = next((d for k, d in by.items() if k.startswith("in-process none")), None)
+    nones = [d for k, d in by.items() if k.startswith("in-process none")]  # fp32 first, then the services' format
     hf_plain = next((d for k, d in by.items() if k.startswith("transformers generate")), None)
-    if none_inproc and hf_plain:
-        out["in_process_none_vs_transformers_generate"] = round(none_inproc["tokens_per_s"] /
-                                                                hf_plain["tokens_per_s"], 3)
+    if nones and hf_plain:  # fp32 on both sides
+        out["in_process_none_vs_transformers_generate"] = round(nones[0]["tokens_per_s"] / hf_plain["tokens_per_s"], 3)
     llama = next((d for k, d in by.items() if k.startswith("llama.cpp plain") and d["threads"] != 1), None)
-    if llama and none_inproc:  # issue 20: the same machine threads on both sides
-        out["in_process_none_vs_llama_plain"] = round(none_inproc["tokens_per_s"] / llama["tokens_per_s"], 3)
+    llama1 = next((d for k, d in by.items() if k.startswith("llama.cpp plain") and d["threads"] == 1), None)
+    if llama and nones:  # issue 20: the same machine threads on both sides, the served format
+        out["in_process_none_vs_llama_plain"] = round(nones[-1]["tokens_per_s"] / llama["tokens_per_s"], 3)
+    if llama1 and AR in by:  # issue 20: one thread each, decode phase
+        out["verifier_decode_vs_llama_1_thread"] = round(by[AR]["decode_tokens_per_s"] /
+                                                         llama1["decode_tokens_per_s"], 3)
     if llama and dflt:
         out["default_vs_llama_plain"] = round(dflt / llama["tokens_per_s"], 3)
-    out["greedy_identical"] = all(d.get("identical_to_autoregressive", True) for d in by.values())
+    out["greedy_identical"] = all(d.get("identical_to_autoregressive", True) and d.get("identical_to_own_plain", True)
+                                  for d in by.values())
     return out
 
 
@@ -430,9 +439,10 @@ def format_table(report: dict) -> str:
             bound = "–" if "pipelined_bound" not in d else (
                 f"{d['pipelined_bound']:.2f}" + ("" if d["bound"] == "pipelined" else
                                                  f" (seq. {d['sequential_bound']:.2f})"))
+            agree = "" if d["sampled"] else f"{d['greedy_identical_prompts']} prompts, {d['greedy_token_agreement']:.0%} tokens"
             ident = "– (sampled)" if d["sampled"] else (
                 str(d["identical_to_autoregressive"]) if "identical_to_autoregressive" in d else
-                f"{d['greedy_identical_prompts']} prompts, {d['greedy_token_agreement']:.0%} tokens")
+                f"{d['identical_to_own_plain']} (own plain); AR: {agree}" if "identical_to_own_plain" in d else agree)
             lines.append(f"| {d['name']} | {d['threads']} | {g('tokens_per_s', '{:.1f}')} | "
                          f"{g('decode_tokens_per_s', '{:.1f}')} | {g('decode_speedup_vs_autoregressive')}x | "
                          f"{g('tokens_per_step')} | {g('verify_idle_fraction', '{:.0%}')} | "

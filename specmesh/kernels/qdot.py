@@ -6,13 +6,13 @@ to int8 in blocks of 32 (as llama.cpp quantizes activations for GGUF blocks). Th
 (scale, bias) pairs are fp32 per group (`pack`), or, for GGUF K-quants, in the file's own form
 (`pack_super`): fp32 (d, dm) per super-block, int8 multipliers per group.
 Integer dot products (AVX2 maddubs), a block of 8 output rows unpacked once for up
-to 4 activation rows: an extra row costs a fraction of the first, which is what tree verification
+to 8 activation rows: an extra row costs a fraction of the first, which is what tree verification
 and batching pay.
 
 `pack(q, scale, bias, bits)` / `pack_super(...)` repack once, at load time, into the kernel's
-layout (see the .cpp); `linear(x, codes, sb, sc, n, bits, s)` multiplies. Built and cached like the other kernels (`specmesh.kernels`,
-`SPECMESH_KERNELS=0` turns it off); where it cannot load, `available()` is False and `reason()`
-says why. Every output is a fixed sequence of operations whatever the other rows, the tiling or
+layout (see the .cpp); `linear(x, codes, sb, sc, n, bits, s)` multiplies. Built and cached like
+the other kernels (`specmesh.kernels`, `SPECMESH_KERNELS=0` turns it off); where it cannot load,
+`available()` is False and `reason()` says why. Every output is a fixed sequence of operations whatever the other rows, the tiling or
 the thread count (batch invariance). This module knows codes and tensors, nothing of models.
 """
 

@@ -55,6 +55,15 @@ def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_
     assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(20.0 / 18.33, abs=1e-3)}
 
 
+def test_checks_hold_the_verifier_against_llama_cpp_at_one_thread() -> None:
+    rows = _rows()
+    rows[-1] = Row("llama.cpp plain (1 thread)", "llama", tokens=11, seconds=2.4, decode_tokens=10, decode_s=2.0,
+                   threads=1, agree_prompts=1, agree_tokens=11, ref_tokens=11)
+    c = checks(summarise(rows, 1))
+    assert c["verifier_decode_vs_llama_1_thread"] == pytest.approx(10 / 5)  # 10 vs 5 tok/s in decode
+    assert c["greedy_identical"] is True
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
@@ -80,7 +89,9 @@ def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
     sampled = next(d for d in pair["results"] if d["status"] == "ok" and d["sampled"])
     assert "identical_to_autoregressive" not in sampled
     inproc = [d for d in pair["results"] if d["kind"] == "in-process"]
-    assert len(inproc) == 2 and all(d["identical_to_autoregressive"] for d in inproc)
+    assert len(inproc) == 2 and all("identical_to_autoregressive" not in d for d in inproc)
+    spec = next(d for d in inproc if "speculative" in d["name"])
+    assert spec["identical_to_own_plain"] is True and "greedy_token_agreement" in spec
     hf = rows[next(n for n in rows if n.startswith("transformers generate"))]
     assert hf["status"] == "ok" and "greedy_token_agreement" in hf
     llama = [d for d in pair["results"] if d["kind"] == "llama.cpp"]
