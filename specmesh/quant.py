@@ -186,16 +186,13 @@ def gguf_super_codes(raw: np.ndarray, qtype_name: str, n: int, k: int) -> SuperC
     return SuperCodes(_q6k_q(b, n, k).to(torch.int16), d, -32 * d, sc, None, 6)
 
 
-BYTE_TYPES = {"Q6_K": 6, "Q5_0": 6, "Q5_1": 6, "Q8_0": 8}  # -> specmesh.kernels.qdot layout
+BYTE_TYPES = {"Q5_0": 6, "Q5_1": 6, "Q8_0": 8}  # -> specmesh.kernels.qdot layout (Q6_K: SUPER_TYPES)
 
 
 def gguf_byte_codes(raw: np.ndarray, qtype_name: str, n: int, k: int):
     """(q [N, K] int16, scale, offset [N, K / 16] fp32, layout) with w = q * scale + offset for a
-    GGUF Q6_K, Q5_0, Q5_1 or Q8_0 tensor ([N, row bytes] uint8), the file's codes; the 32-blocks'
+    GGUF Q5_0, Q5_1 or Q8_0 tensor ([N, row bytes] uint8), the file's codes; the 32-blocks'
     parameters repeated over both 16-halves."""
-    if qtype_name == "Q6_K":
-        c = gguf_q6k_codes(raw, n, k)
-        return c.q.to(torch.int16), c.scale, -32 * c.scale, 6
     size = {"Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype_name]
     b = np.ascontiguousarray(raw).reshape(-1, size)
     f16 = lambda lo: b[:, lo:lo + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731 - [blocks, 1]
@@ -268,7 +265,7 @@ class QuantLinear(nn.Module):
                    rows: torch.Tensor | None) -> "QuantLinear | None":
         n = raw.shape[0]
         name = qtype.name
-        if name in _BLOCK or name in BYTE_TYPES:
+        if name in _BLOCK or name in BYTE_TYPES or name in SUPER_TYPES:
             if not qdot.available() or k % 32:
                 return None
             if name in SUPER_TYPES:
@@ -342,12 +339,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale_zero", sz)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "specmesh-qdot" and x.dim() == 2 and x.dtype == torch.float32:  # a decode step's path, lean
-            y = qdot.linear(x, self.qd_codes, self.qd_sb, self.qd_sc, self.out_features, self.bits, self.supergroups)
-            return y if self.bias is None else y + self.bias
         shape = x.shape
         if self.fmt == "gguf":
-            x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
+            lean = x.dim() == 2 and x.dtype == torch.float32  # a decode step's input: no reshape, no copy
+            x2 = x if lean else x.reshape(-1, shape[-1]).float()  # [M, K]
             if self.kernel == "ggml":
                 y = ggml.linear(x2, self.blocks, self.qtype)  # [M, N]
             else:
@@ -355,7 +350,7 @@ class QuantLinear(nn.Module):
                                 self.supergroups)
             if self.bias is not None:
                 y = y + self.bias
-            return y.view(*shape[:-1], self.out_features)
+            return y if lean else y.view(*shape[:-1], self.out_features)
         if self.fmt == "int4" and self.kernel == "specmesh-q4":
             from specmesh.kernels import q4
 
