@@ -155,6 +155,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._check_tokens("context", o.context)
         context = list(o.context)
         features = self._features(o.features, len(context) - 1)
+        if any(pt.rows < 1 or not pt.seconds > 0 for pt in o.verify_cost):
+            raise RequestError("verify_cost: every point needs rows >= 1 and seconds > 0")
+        self.costs.set_verify_cost([(pt.rows, pt.seconds) for pt in o.verify_cost])
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
                              push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
                              fixed=o.fixed_shape)

@@ -283,6 +283,39 @@ def run_turn(
             return
 
 
+STEP_ROWS = (1, 2, 3, 5, 9)  # rows (pending token + tree nodes) whose step `measure_steps` times
+
+
+def measure_steps(model: Transformer, rows: tuple[int, ...] = STEP_ROWS, rounds: int = 2,
+                  context: int = 32) -> list[tuple[int, float]]:
+    """The target's step (`TargetSession.step`: forward, verification, commit, what `run_turn`
+    times as verify_s) by rows, on a chain of rows - 1 nodes after `context` tokens: (rows,
+    fastest of `rounds` in seconds: noise only adds) per row count, after one untimed step. A drafter's planner takes its
+    verification cost's shape from these points (the verifier measures them at its start)."""
+    params = SamplingParams()
+    generator = make_generator(params)
+    vocab = model.config.vocab_size
+    ids = [1 + i % (vocab - 1) for i in range(context)]
+    target = TargetSession(model, ids)
+    try:
+        def step(n: int) -> float:
+            tree = DraftTree([ids[i % context] for i in range(n - 1)], list(range(-1, n - 2)), [], [], [])
+            t = time.perf_counter()
+            target.step(tree, params, generator)
+            seconds = time.perf_counter() - t
+            target.rollback(context)
+            return seconds
+
+        step(max(rows))
+        times: dict[int, list[float]] = {r: [] for r in rows}
+        for _ in range(rounds):
+            for r in rows:
+                times[r].append(step(r))
+        return [(r, min(ts)) for r, ts in times.items()]
+    finally:
+        target.close()
+
+
 def generate_stream(
     model: Transformer,
     prompt_ids: list[int],

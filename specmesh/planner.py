@@ -1,18 +1,21 @@
 """Speculation planned from measured costs: pure functions over what a process has measured.
 
-Inputs, each measured on the machine at hand as the work runs (nothing assumes a wider level or a
-bigger tree is free; the priors below only hold until the first measurements):
-- `LinearCost`: seconds as a linear function of work, fitted online by exponentially weighted least
-  squares. The drafter's cost of one draft call is `a * levels + b * rows + c` (rows: the nodes fed
-  over all its levels, so `b` is what width costs; `c`: catching up on the committed tokens); the
-  target's verification is `a + b * rows` (rows = the pending token + the tree's nodes).
+Inputs, each measured on the machine at hand (nothing assumes a wider level or a bigger tree is
+free; the priors below only hold until the first measurements):
+- `LinearCost`: seconds as a linear function of work. The drafter's cost of one draft call is
+  `a * levels + b * rows + c` (rows: the nodes fed over all its levels, so `b` is what width costs;
+  `c`: catching up on the committed tokens); the target's verification is `a + b * rows` (rows =
+  the pending token + the tree's nodes). How the terms compare is calibrated where the work runs
+  (the drafter times its own calls at its start, the verifier its own steps at its start and sends
+  them with each session); live calls rescale it as they come.
 - `Acceptance`: per depth and sibling rank, how often a drafted node was accepted given that its
   parent was and its elder siblings were not (Beta counts over the session's own history, started
   from a prior: the drafter's recent sessions).
 
 `plan` picks, for one step, the tree shape (budget, depth) within the caps and, when pipelining,
 which outcomes of the step to predraft and with how many bonus candidates (`branches`), or no
-predrafting at all, maximising expected tokens per second:
+predrafting, or no speculation at all (the verifier's one-row step, E = 1), maximising expected
+tokens per second:
 - tokens per step E(shape) = 1 + sum over nodes of P(node accepted) on the shape's topology
   (`grow_tree`'s, with the drafter's scores ranking siblings);
 - sequential: a step takes V + D (V = verification plus the link, D = drafting the tree);
@@ -40,50 +43,70 @@ PRIOR_WEIGHT = 2.0  # observations the prior is worth
 
 
 class LinearCost:
-    """seconds ~ coef . features, fitted by exponentially weighted least squares. Directions the
-    data do not pin down (say width, when only chains were drafted) keep the prior's shape, scaled
-    to the data (a weak ridge toward `prior * s`, s fitting the prior to the mean sample), so a
-    prior never has to be right about magnitudes, only about how the terms compare."""
+    """seconds ~ scale * (shape . features). The shape, how the terms compare, comes from a
+    calibration that varies every term (`fit_shape`: the drafter's own calls at its start, the
+    verifier's own steps at its start, sent with each session); until one has run it is the prior.
+    Live calls move only the scale, one number, an exponentially weighted mean of log(measured /
+    shape) that is identified whatever shapes the planner picks. (A fit of every term over live
+    calls alone cannot tell a per-row cost from the base while the planner keeps picking one
+    shape: one stuck on a slow first call kept choosing one-node trees for a whole prompt.)"""
 
-    def __init__(self, prior: tuple[float, ...], forget: float = 0.97, strength: float = 1e-4) -> None:
-        self.prior = list(prior)
+    def __init__(self, prior: tuple[float, ...], forget: float = 0.9) -> None:
+        self.prior = tuple(prior)
+        self.shape = list(prior)
         self.forget = forget
-        self.strength = strength
-        n = len(prior)
-        self._xx = [[0.0] * n for _ in range(n)]
-        self._xy = [0.0] * n
-        self._x = [0.0] * n
-        self._y = 0.0
+        self.calibrated = False
+        self._log_sum = 0.0  # decayed sums of log(measured / shape) and of weights
+        self._weight = 0.0
         self.samples = 0
-        self.coef = list(prior)
+
+    @property
+    def scale(self) -> float:
+        # the calibration counts as one live call, forgotten as they are: the first calls refine
+        # its scale, not replace it
+        prior_weight = self.forget ** self.samples if self.calibrated else 0.0
+        total = self._weight + prior_weight
+        return math.exp(self._log_sum / total) if total > 0 else 1.0
+
+    @property
+    def coef(self) -> list[float]:
+        k = self.scale
+        return [k * c for c in self.shape]
+
+    def fit_shape(self, samples: list[tuple[tuple[float, ...], float]]) -> None:
+        """Take the shape from calibration samples (features, seconds): non-negative least squares
+        (a term whose coefficient would be negative is left out and the rest refitted). The scale
+        starts afresh at 1. Fewer samples than terms, or a singular set, leave the shape as is."""
+        n = len(self.prior)
+        good = [(f, y) for f, y in samples if y >= 0 and math.isfinite(y)]
+        free = list(range(n))
+        while free and len(good) >= len(free):
+            a = [[sum(f[i] * f[j] for f, _ in good) for j in free] for i in free]
+            b = [sum(f[i] * y for f, y in good) for i in free]
+            coef = _solve(a, b)
+            if coef is None:
+                return
+            if min(coef) >= 0:
+                shape = [0.0] * n
+                for i, c in zip(free, coef):
+                    shape[i] = c
+                if sum(shape) <= 0:
+                    return
+                self.shape, self.calibrated = shape, True
+                self._log_sum = self._weight = 0.0
+                return
+            free = [i for i, c in zip(free, coef) if c > 0]
 
     def add(self, features: tuple[float, ...], seconds: float) -> None:
-        if not (seconds >= 0 and math.isfinite(seconds)):
+        guess = sum(c * x for c, x in zip(self.shape, features))
+        if not (seconds > 0 and math.isfinite(seconds)) or guess <= 0:
             return
-        n, f = len(self.prior), self.forget
-        for i in range(n):
-            self._x[i] = f * self._x[i] + (1 - f) * features[i]
-            self._xy[i] = f * self._xy[i] + (1 - f) * features[i] * seconds
-            for j in range(n):
-                self._xx[i][j] = f * self._xx[i][j] + (1 - f) * features[i] * features[j]
-        self._y = f * self._y + (1 - f) * seconds
+        self._log_sum = self.forget * self._log_sum + math.log(seconds / guess)
+        self._weight = self.forget * self._weight + 1.0
         self.samples += 1
-        self.coef = self._fit()
-
-    def _fit(self) -> list[float]:
-        n = len(self.prior)
-        guess = sum(p * x for p, x in zip(self.prior, self._x))
-        scale = self._y / guess if guess > 0 else 1.0
-        lam = [self.strength * max(self._xx[i][i], 1e-30) for i in range(n)]  # relative, per term
-        a = [[self._xx[i][j] + (lam[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
-        b = [self._xy[i] + lam[i] * scale * self.prior[i] for i in range(n)]
-        coef = _solve(a, b)
-        if coef is None:
-            return self.coef
-        return [max(c, 0.0) for c in coef]  # work never saves time
 
     def __call__(self, *features: float) -> float:
-        return sum(c * x for c, x in zip(self.coef, features))
+        return self.scale * sum(c * x for c, x in zip(self.shape, features))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -116,6 +139,17 @@ class Costs:
     # (and maybe a core), so an overlapped verification can cost more than one alone
     verify_overlapped: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))
     link_s: float = 0.002
+    verify_points: tuple[tuple[int, float], ...] = ()  # the verifier's calibration, as last taken
+
+    def set_verify_cost(self, points) -> None:
+        """The verifier's own steps measured at its start, (rows, seconds): the shape of both
+        verification fits (taken once per distinct set: every session of that verifier sends it)."""
+        points = tuple((int(r), float(s)) for r, s in points)
+        if not points or points == self.verify_points:
+            return
+        self.verify_points = points
+        for fit in (self.verify, self.verify_overlapped):
+            fit.fit_shape([((1.0, float(r)), s) for r, s in points])
 
     def verify_s(self, rows: float, overlapped: bool) -> float:
         """A verification's cost by rows, overlapped with predrafting or not (each fit stands in for
@@ -125,7 +159,7 @@ class Costs:
 
     def many(self, levels: float, rows: float) -> float:
         """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
-        fit = self.draft_many if self.draft_many.samples else self.draft
+        fit = self.draft_many if self.draft_many.samples or self.draft_many.calibrated else self.draft
         return fit(levels, rows, 1.0)
 
     def add_link(self, seconds: float) -> None:
@@ -255,7 +289,7 @@ def expected_tokens(t: Topology, table: list[list[float]]) -> float:
 
 @dataclass(frozen=True)
 class Plan:
-    budget: int
+    budget: int  # 0: no speculation (an empty tree)
     depth: int
     outcomes: tuple[int, ...] = ()  # k (main-path tokens accepted) of the predrafts to make, likeliest first
     branches: int = 0
@@ -297,18 +331,26 @@ def outcome_odds(t: Topology, table: list[list[float]]) -> list[tuple[int, float
 
 
 def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelined: bool,
-         batched: bool, fixed: bool = False) -> Plan:
+         batched: bool, fixed: bool = False, speculate: bool = False) -> Plan:
     """The best plan for the next step (see the module docstring); `fixed`: the caps are the shape,
-    only the predrafts are planned; `batched`: the drafter grows all predrafts in one call
-    (`draft_many`), else one call each."""
+    only the predrafts are planned; `batched`: the drafter grows several predrafts in one call
+    (`draft_many`), else one call each. Not speculating at all (`Plan.budget` 0: an empty tree, the
+    verifier's one-row step) is a candidate unless `fixed` or `speculate` (a probe: the acceptance
+    it would be judged by comes only from trees that are verified)."""
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
     best: Plan | None = None
+    if not (fixed or speculate):
+        # the drafter feeds each committed token once anyway: pipelined, while the verifier steps;
+        # else the next tree waits for it
+        catch_up = 0.0 if pipelined else costs.draft(0.0, 1.0, 0.0)
+        best = Plan(0, 0, (), 0, 1.0, costs.verify_s(1, False) + costs.link_s + catch_up)
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
         v = costs.verify_s(1 + len(t.parents), False) + costs.link_s
-        fresh = costs.draft(len(t.per_level), sum(t.per_level), 1.0)
+        # a fresh tree after a miss first feeds what the step committed (e - 1 tokens beyond the bonus)
+        fresh = costs.draft(len(t.per_level), sum(t.per_level) + e - 1.0, 1.0)
         options = [Plan(b, d, (), 0, e, v + fresh)]
         if pipelined and t.parents:
             v = costs.verify_s(1 + len(t.parents), True) + costs.link_s
@@ -320,8 +362,11 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                 for k, p, w in odds[:MAX_OUTCOMES]:
                     hit += p * _bonus_hit(table, k + 1, w, branches)
                     chosen.append(k)
-                    m = len(chosen)
-                    pre = costs.many(levels, m * rows) if batched else m * costs.draft(levels, rows, 1.0)
+                    m, held = len(chosen), max(chosen)  # the session first feeds the path it holds
+                    # one outcome is one single-tree call (DraftAhead.predraft), several one
+                    # draft_many call, or one call each
+                    pre = (costs.many(levels, m * rows + held) if batched and m > 1
+                           else m * costs.draft(levels, rows + held / m, 1.0))
                     step = max(v, pre) + (1.0 - hit) * fresh
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
         for p in options:

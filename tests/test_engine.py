@@ -226,3 +226,16 @@ def test_cli_bad_flag_is_a_clear_error():
     out = subprocess.run([sys.executable, "-m", "specmesh.cli", "generate", "--prompt", "hi", "--top-p", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "top_p" in out.stderr
+
+
+def test_measure_steps_times_each_row_count() -> None:
+    from specmesh.engine import STEP_ROWS, measure_steps
+    from specmesh.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    points = measure_steps(Transformer(cfg, inv_freq).eval(), rounds=2)
+    assert [r for r, _ in points] == list(STEP_ROWS)
+    assert all(0 < s < 5 for _, s in points)

@@ -35,21 +35,54 @@ def _acceptance(alpha: float, side: float = 0.1, n: float = 1000.0) -> Acceptanc
     return acc
 
 
-def test_linear_cost_fits_exact_samples() -> None:
+def test_linear_cost_calibration_fits_exact_samples() -> None:
     fit = LinearCost((1.0, 1.0, 1.0))
     truth = (0.010, 0.002, 0.003)
-    for levels, rows in [(4, 4), (2, 16), (4, 8), (5, 40), (1, 1), (3, 12)] * 4:
-        fit.add((levels, rows, 1.0), truth[0] * levels + truth[1] * rows + truth[2])
-    assert fit.coef == pytest.approx(truth, rel=1e-2, abs=1e-5)
+    fit.fit_shape([((levels, rows, 1.0), truth[0] * levels + truth[1] * rows + truth[2])
+                   for levels, rows in [(4, 4), (2, 16), (4, 8), (5, 40), (1, 1), (3, 12)]])
+    assert fit.calibrated and fit.coef == pytest.approx(truth, rel=1e-6)
 
 
-def test_linear_cost_keeps_the_priors_shape_where_data_say_nothing() -> None:
-    """Only one row count seen: the prior's ratio of base to per-row cost stays, at the data's scale."""
+def test_linear_cost_calibration_never_goes_negative() -> None:
+    """Samples a line with a negative intercept would fit best: the intercept is left out and the
+    slope refitted, so no amount of work is predicted to take negative time."""
+    fit = LinearCost((1.0, 1.0))
+    fit.fit_shape([((1.0, 1.0), 0.001), ((1.0, 2.0), 0.010), ((1.0, 3.0), 0.019)])
+    assert fit.coef[0] == 0.0 and fit.coef[1] > 0
+    assert fit(1.0, 2.0) == pytest.approx((0.001 + 2 * 0.010 + 3 * 0.019) / 14 * 2, rel=1e-6)
+
+
+def test_live_calls_rescale_the_calibrated_shape() -> None:
+    """Calls now take twice what the calibration measured: every shape is predicted at twice its
+    calibrated cost, also those the live calls never used."""
+    fit = LinearCost((1.0, 1.0))
+    fit.fit_shape([((1.0, r), 0.060 + 0.030 * r) for r in (1, 2, 3, 5, 9)])
+    for _ in range(40):
+        fit.add((1.0, 2.0), 2 * (0.060 + 0.030 * 2))
+    assert fit(1.0, 9.0) == pytest.approx(2 * (0.060 + 0.030 * 9), rel=0.02)
+    assert fit.coef[1] / fit.coef[0] == pytest.approx(0.5, rel=1e-6)
+
+
+def test_one_slow_call_does_not_stick() -> None:
+    """A slow first call at a wide shape, then calls of one shape only: predictions follow the
+    recent calls at the calibrated shape (an online fit of both terms kept the slow call's slope
+    for good and planned one-node trees)."""
+    fit = LinearCost((1.0, 1.0))
+    fit.fit_shape([((1.0, r), 0.060 + 0.030 * r) for r in (1, 2, 3, 5, 9)])
+    fit.add((1.0, 9.0), 3.0)
+    for _ in range(40):
+        fit.add((1.0, 2.0), 0.120)
+    assert fit(1.0, 5.0) == pytest.approx(0.210, rel=0.05)
+
+
+def test_linear_cost_without_calibration_keeps_the_priors_shape() -> None:
+    """Only one row count seen, no calibration: the prior's ratio of base to per-row cost stays,
+    at the data's scale."""
     fit = LinearCost((1.0, 0.1))
     for _ in range(10):
         fit.add((1.0, 5.0), 0.030)
     assert fit(1.0, 5.0) == pytest.approx(0.030, rel=1e-3)
-    assert fit.coef[1] / fit.coef[0] == pytest.approx(0.1, rel=0.05)
+    assert fit.coef[1] / fit.coef[0] == pytest.approx(0.1, rel=1e-6)
 
 
 def test_linear_cost_forgets_old_samples() -> None:
@@ -59,6 +92,19 @@ def test_linear_cost_forgets_old_samples() -> None:
     for _ in range(200):
         fit.add((1.0, 1.0), 0.1)
     assert fit(1.0, 1.0) == pytest.approx(0.1, rel=1e-2)
+
+
+def test_costs_take_the_verifiers_points_once() -> None:
+    """Every session of a verifier sends its calibration: the shape is taken when it changes, and
+    the live scale is kept otherwise."""
+    costs = Costs()
+    points = [(1, 0.09), (2, 0.12), (3, 0.15), (5, 0.21), (9, 0.33)]
+    costs.set_verify_cost(points)
+    assert costs.verify_s(9, False) == pytest.approx(0.33, rel=1e-3)
+    for _ in range(30):
+        costs.verify.add((1.0, 2.0), 0.24)
+    costs.set_verify_cost(points)
+    assert costs.verify_s(9, False) == pytest.approx(0.66, rel=0.02)
 
 
 def test_acceptance_counts_the_tried_ranks_along_the_accepted_path() -> None:
@@ -165,3 +211,31 @@ def test_a_verification_slowed_by_predrafting_beside_it_turns_pipelining_off() -
         costs.verify.add((1.0, rows), 0.05)  # alone
         costs.verify_overlapped.add((1.0, rows), 0.12)  # beside a predraft: more than double
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes == ()
+
+
+def test_no_speculation_when_it_is_predicted_slower() -> None:
+    """A drafter whose one level costs more than the verifier's step, and every row of the
+    verification costing a third of a step: the empty tree (the verifier's one-row step) wins,
+    unless the caps are fixed or a probe asks for a tree."""
+    costs, acc = _costs(0.2, 0.01, 0.06, 0.03), _acceptance(0.7)
+    for pipelined in (False, True):
+        p = plan(costs, acc, 8, 4, pipelined=pipelined, batched=True)
+        assert (p.budget, p.depth, p.outcomes) == (0, 0, ())
+        # the verifier's one-row step; sequential, the drafter feeding that token after it (0.01)
+        assert p.tokens_per_s == pytest.approx(1 / (0.09 if pipelined else 0.10))
+        probe = plan(costs, acc, 8, 4, pipelined=pipelined, batched=True, speculate=True)
+        assert probe.budget >= 1
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True, fixed=True).budget == 8
+    # a cheap drafter: speculation is back
+    assert plan(_costs(0.005, 0.0, 0.06, 0.01), acc, 8, 4, pipelined=False, batched=True).budget >= 1
+
+
+def test_one_predraft_is_priced_as_the_single_tree_call_it_is() -> None:
+    """DraftAhead makes a lone predraft with `draft`, not `draft_many`: a costly draft_many fit
+    (its per-call overhead) must not keep a lone predraft from being planned."""
+    acc = _acceptance(0.8, side=0.1)
+    costs = _costs(0.01, 0.0, 0.1, 0.01)
+    costs.draft_many.fit_shape([((lv, rows, 1.0), 0.01 * lv + 1.0) for lv, rows in [(1, 2), (2, 2), (3, 6), (2, 8)]])
+    assert costs.many(2, 4) == pytest.approx(1.02)  # one second a call
+    p = plan(costs, acc, 1, 1, pipelined=True, batched=True, fixed=True)
+    assert p.outcomes and len(p.outcomes) == 1

@@ -681,3 +681,36 @@ def test_statistical_test_catches_a_wrong_q_after_rerooting(monkeypatch: pytest.
     monkeypatch.setattr(predraft, "subtree", stale_q)
     counts, after_hit = _run(TRIALS, seed=1)
     assert _p_values(counts, after_hit)[1] < 1e-6
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined: bool) -> None:
+    """Costs under which the verifier's one-row step beats every tree (a level of drafting takes
+    a second), with evidence that half the drafted tokens are accepted: the drafter sends empty
+    trees; after PROBE_EVERY of them one tree (the acceptance is only learnt from verified trees).
+    Pipelined, the drafter feeds each committed token while the verifier steps (nothing is left
+    for the probe to catch up on); sequential, the probe's draft feeds them."""
+    from specmesh.drafters.model import ModelDrafter
+
+    costs = Costs(draft=LinearCost((1.0, 0.1, 0.0)), verify=LinearCost((0.01, 0.01)))
+    recent = Acceptance()
+    recent.tried[0][0], recent.accepted[0][0] = 100.0, 50.0
+    ctx = [3, 14, 15, 9, 26, 5]
+    ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
+                       recent=recent)
+    st = ahead.first(8, 4)
+    sizes = []
+    for _ in range(predraft.PROBE_EVERY + 1):
+        sizes.append(len(st.tree))
+        if not st.tree.tokens:
+            assert ahead.wants_predraft == (pipelined and ahead.session.behind > 0)
+            while ahead.predraft():
+                pass
+            assert ahead.session.behind == (0 if pipelined else len(ctx) - 1 + len(sizes) - 1)
+        st = ahead.commit(st.step, [], 7, 8, 4)
+    assert sizes[:predraft.PROBE_EVERY] == [0] * predraft.PROBE_EVERY and sizes[-1] > 0
+    assert ahead.session.behind == 0  # the probe fed what was left
+    # a fixed shape always gets its tree
+    fixed = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
+                       recent=recent, fixed=True)
+    assert len(fixed.first(8, 4).tree) == 8

@@ -204,8 +204,10 @@ class RemoteDrafts:
     its step is dropped, so a too-short wait only costs that step's speculation."""
 
     def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
-                 spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False) -> None:
+                 spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False,
+                 step_cost: list[tuple[int, float]] | None = None) -> None:
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
+        self.step_cost = [pb.CostPoint(rows=r, seconds=s) for r, s in step_cost or ()]  # sent with each open
         self.derive_deadline = derive_deadline
         self.slowest_s: float | None = None  # decaying maximum of the waits for trees that came
         self.params, self.pipelined = params, pipelined
@@ -232,7 +234,7 @@ class RemoteDrafts:
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
-                                                  fixed_shape=self.spec.fixed,
+                                                  fixed_shape=self.spec.fixed, verify_cost=self.step_cost,
                                                   features=self._features(1, len(context) - 1)))
 
     def resume(self, link: DrafterLink | None, target: TargetSession, params: SamplingParams, spec: SpecConfig,

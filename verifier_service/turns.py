@@ -11,7 +11,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, run_turn
+from specmesh.batching import BatchingTarget
+from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, measure_steps, run_turn
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.text import TextStream
 from verifier_service.config import VerifierConfig
@@ -58,6 +59,9 @@ class Verifier:
         self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
         self.sessions = SessionStore(cfg.max_sessions)
         self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s, cfg.peer_tls)
+        # this verifier's step by rows, measured once here: drafters plan their trees against it
+        # (a batching wrapper's own model: one session's steps are its forwards, uncounted)
+        self.step_cost = measure_steps(model.model if isinstance(model, BatchingTarget) else model)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -133,7 +137,8 @@ class Verifier:
         if dim and (target.features is None or dim != self.model.config.hidden_size):
             link = None
         session.drafts = None if link is None else RemoteDrafts(
-            link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline)
+            link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline,
+            self.step_cost)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,

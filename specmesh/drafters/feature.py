@@ -68,6 +68,12 @@ class FeatureDraftSession:
         self.cache = None  # type: ignore[assignment]
         self._predicted = {}
 
+    @property
+    def behind(self) -> int:
+        """Rows the next draft feeds beyond the one it always feeds (the cache holds a row per pair
+        of feature and next token, the last pair's left to re-feed)."""
+        return max(0, len(self.context) - 2 - self.cache.length)
+
     def rollback(self, num_tokens: int) -> None:
         assert 1 <= num_tokens <= len(self.context)
         del self.context[num_tokens:]

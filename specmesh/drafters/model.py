@@ -52,6 +52,11 @@ class ModelDraftSession:
         self.cache = None  # type: ignore[assignment]
         self._slot_of = {}
 
+    @property
+    def behind(self) -> int:
+        """Committed tokens not in the cache yet, the pending one aside: the next draft feeds them."""
+        return max(0, len(self.context) - 1 - self.cache.length)
+
     def rollback(self, num_tokens: int) -> None:
         assert 1 <= num_tokens <= len(self.context)
         del self.context[num_tokens:]

@@ -64,6 +64,8 @@ __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "Session
            "draft_generator", "calibrate"]
 PRIOR_OBSERVATIONS = 32.0  # what the drafter's recent sessions weigh in a new session's acceptance
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
+PROBE_EVERY = 16  # empty trees in a row after which one tree is drafted anyway ...
+MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
 
 
 def main_path(tree: DraftTree) -> list[int]:
@@ -247,6 +249,7 @@ class DraftAhead:
         self._closed = False
         self._sent_at = 0.0
         self._overlapped = False
+        self._plain_steps = 0  # empty trees sent in a row
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -319,7 +322,9 @@ class DraftAhead:
 
     @property
     def wants_predraft(self) -> bool:
-        return self.pipelined and not self._closed and self._tree is not None and bool(self._todo)
+        if not self.pipelined or self._closed or self._tree is None:
+            return False
+        return bool(self._todo) or (not self._tree.tokens and self._behind() > 0)
 
     def predraft(self) -> bool:
         """One unit of predrafting for the tree last sent (one planned outcome, or every one at
@@ -327,7 +332,10 @@ class DraftAhead:
         with self._lock:
             if not self.wants_predraft:
                 return False
-            assert self.plan is not None
+            assert self.plan is not None and self._tree is not None
+            if not self._tree.tokens:  # no tree out: feed the committed tokens while the verifier steps
+                self.session.draft(0, 0, self.params, self.generator)
+                return True
             if self._batched:
                 ks, self._todo = self._todo, []
             else:
@@ -338,13 +346,14 @@ class DraftAhead:
                     return False
             budget, depth, branches = predraft_shape(self.plan.budget, self.plan.depth, self.plan.branches)
             excludes = [() if k == len(self._path) else self._children_on_path(k) for k in ks]
+            behind = self._behind()
             t = time.perf_counter()
             if len(ks) == 1:
                 trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0], branches)]
             else:  # every planned outcome at once: one expansion per level for all of them
                 trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
                                                 self.params, self.generator, excludes, branches)
-            self._add_draft_cost(trees, time.perf_counter() - t, many=len(ks) > 1)
+            self._add_draft_cost(trees, time.perf_counter() - t, behind, many=len(ks) > 1)
             self._overlapped = True
             for k, tree in zip(ks, trees):
                 made = Predraft(self.step, self._path[:k], self.position + k, tree, self.plan.depth)
@@ -408,13 +417,22 @@ class DraftAhead:
             fit.add((1.0, 1.0 + len(self._tree)), verify_s)
             self.costs.add_link(arrived - self._sent_at - verify_s)
 
-    def _add_draft_cost(self, trees: list[DraftTree], seconds: float, many: bool = False) -> None:
+    def _behind(self) -> int:
+        """Committed tokens the draft session has not fed yet (its next call feeds them first)."""
+        return getattr(self.session, "behind", 0)
+
+    def _add_draft_cost(self, trees: list[DraftTree], seconds: float, behind: int, many: bool = False) -> None:
         levels, rows = planner.draft_work(trees)
         if levels:
-            (self.costs.draft_many if many else self.costs.draft).add((float(levels), float(rows), 1.0), seconds)
+            fit = self.costs.draft_many if many else self.costs.draft
+            fit.add((float(levels), float(rows + behind), 1.0), seconds)
 
     def _plan(self, budget: int, depth: int) -> Plan:
-        return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed)
+        # after PROBE_EVERY steps without a tree, one speculates anyway: the acceptance that
+        # speculation is judged by comes only from verified trees
+        probe = self._plain_steps >= PROBE_EVERY or sum(self.acceptance.tried[0]) < MIN_TRIALS
+        return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
+                            speculate=probe)
 
     def _children_on_path(self, k: int) -> list[int]:
         """Tokens of the children the tree last sent has at the k-th node of its main path."""
@@ -425,14 +443,18 @@ class DraftAhead:
     def _draft_fresh(self, budget: int, depth: int) -> DraftTree:
         """A tree for the next step drafted now, of the shape planned for it (within the caps)."""
         p = self._plan(budget, depth)
+        if p.budget == 0:  # not speculating is predicted faster: the verifier's one-row step
+            return DraftTree.empty()
+        behind = self._behind()
         t = time.perf_counter()
         tree = self.session.draft(p.budget, p.depth, self.params, self.generator)
-        self._add_draft_cost([tree], time.perf_counter() - t)
+        self._add_draft_cost([tree], time.perf_counter() - t, behind)
         return tree
 
     def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool) -> StepTree:
         self.step += 1
         self.steps += 1
+        self._plain_steps = 0 if tree.tokens else self._plain_steps + 1
         self._tree = tree
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
@@ -468,20 +490,29 @@ def _accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
     return out
 
 
-def calibrate(session: DraftSession, context_len: int, costs: Costs) -> None:
-    """Measure a drafter's cost by levels and rows before the first request: chains, wide trees
-    and, where the session has `draft_many`, trees at several roots at once, each call timed into
-    `costs.draft` / `costs.draft_many` as live calls are (so that width is priced from the start). `session`: opened on
+CALIBRATION_SHAPES = ((1, 1), (2, 2), (4, 4), (8, 2), (16, 2), (16, 4))  # (budget, depth): levels and width apart
+
+
+def calibrate(session: DraftSession, context_len: int, costs: Costs, rounds: int = 2) -> None:
+    """Measure a drafter's cost by levels and rows before the first request: chains and wide trees
+    (and, where the session has `draft_many`, trees at 2 and 4 roots at once), each shape `rounds`
+    times after one untimed call, and take the shapes of `costs.draft` / `costs.draft_many` from
+    them (`LinearCost.fit_shape`: live calls then only rescale them). `session`: opened on
     `context_len` >= 2 tokens the drafter accepts; the caller closes it."""
     params = SamplingParams()
     gen = draft_generator(params)
-    for budget, depth in [(4, 4), (16, 2), (8, 4)] * 2:
+    session.draft(4, 2, params, gen)  # first calls allocate and page weights in
+    samples = []
+    for budget, depth in CALIBRATION_SHAPES * rounds:
         t = time.perf_counter()
         tree = session.draft(budget, depth, params, gen)
-        costs.draft.add((*map(float, planner.draft_work([tree])), 1.0), time.perf_counter() - t)
+        samples.append(((*map(float, planner.draft_work([tree])), 1.0), time.perf_counter() - t))
+    costs.draft.fit_shape(samples)
     if hasattr(session, "draft_many"):
-        roots = [context_len - 1, context_len] * 2
-        for _ in range(2):
+        samples = []
+        for roots, budget, depth in [(2, 4, 2), (2, 8, 4), (4, 4, 2), (4, 8, 3)] * rounds:
+            ends = [context_len - 1, context_len] * (roots // 2)
             t = time.perf_counter()
-            trees = session.draft_many(roots, 8, 3, params, gen, [()] * len(roots))
-            costs.draft_many.add((*map(float, planner.draft_work(trees)), 1.0), time.perf_counter() - t)
+            trees = session.draft_many(ends, budget, depth, params, gen, [()] * len(ends))
+            samples.append(((*map(float, planner.draft_work(trees)), 1.0), time.perf_counter() - t))
+        costs.draft_many.fit_shape(samples)

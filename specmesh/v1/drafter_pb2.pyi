@@ -22,7 +22,7 @@ class DrafterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., extend: _Optional[_Union[ExtendSession, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape")
+    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape", "verify_cost")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class OpenSession(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PUSH_PREDRAFTS_FIELD_NUMBER: _ClassVar[int]
     FIXED_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     budget: int
@@ -39,7 +40,16 @@ class OpenSession(_message.Message):
     features: bytes
     push_predrafts: bool
     fixed_shape: bool
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ...) -> None: ...
+    verify_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ..., verify_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+
+class CostPoint(_message.Message):
+    __slots__ = ("rows", "seconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    seconds: float
+    def __init__(self, rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ExtendSession(_message.Message):
     __slots__ = ("tokens", "budget", "depth", "keep", "features")

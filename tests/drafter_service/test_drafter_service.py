@@ -295,6 +295,10 @@ def test_bad_requests_get_an_error_naming_the_field(ngram: Service) -> None:
         ("x8", dict(open=_open(context=ctx, budget=8, depth=4,
                                                  sampling=sampling(temperature=1, top_p=1.5))), "top_p:"),
         ("x9", {}, "kind:"),
+        ("x10", dict(open=_open(context=ctx, budget=8, depth=4,
+                                verify_cost=[drafter_pb2.CostPoint(rows=0, seconds=0.1)])), "verify_cost:"),
+        ("x11", dict(open=_open(context=ctx, budget=8, depth=4,
+                                verify_cost=[drafter_pb2.CostPoint(rows=2, seconds=-1.0)])), "verify_cost:"),
     ]
     for sid, kind, field in bad:
         r = s.ask(sid, **kind)
