@@ -14,6 +14,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -66,16 +67,16 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
 
 def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
     """The drafter's costs by levels and rows, measured now on a short context (`calibrate`), so
-    that the first sessions' plans already price width; feature drafters, which need the target's
-    features to draft at all, are measured by their live sessions only."""
+    that the first sessions' plans already price width (a feature drafter on zero features: what
+    a call costs does not depend on their values)."""
     costs = Costs()
-    if not drafter.needs_features:
-        context = list(range(1, 1 + min(16, vocab_size or 16)))
-        session = drafter.open(context)
-        try:
-            calibrate(session, len(context), costs)
-        finally:
-            session.close()
+    context = list(range(1, 1 + min(16, vocab_size or 16)))
+    features = torch.zeros(len(context) - 1, drafter.feature_dim) if drafter.needs_features else None
+    session = drafter.open(context, features)
+    try:
+        calibrate(session, len(context), costs)
+    finally:
+        session.close()
     return costs
 
 
