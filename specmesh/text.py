@@ -47,8 +47,21 @@ def visible(text: str, strings: tuple[str, ...], final: bool) -> str:
     if final:
         return text
     text = text.rstrip("\ufffd")
-    hold = max((k for s in strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - hold]
+    return text[: len(text) - max((_held(text, s) for s in strings), default=0)]
+
+
+def _held(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `stop` (it may still grow
+    into the stop string). Only ends no longer than the text are tried: the cost follows the text,
+    not the stop string (a megabyte stop string took seconds a token when every prefix was tried)."""
+    if len(stop) < 2:
+        return 0
+    j = max(0, len(text) - (len(stop) - 1))  # the longest candidate end starts here ...
+    while (j := text.find(stop[0], j)) >= 0:  # ... and every candidate with the stop's first character
+        if stop.startswith(text[j:]):
+            return len(text) - j
+        j += 1
+    return 0
 
 
 @dataclass

@@ -27,6 +27,10 @@ def test_first_stop(tokens, start, stops, expected):
     ("hello wor", ("world",), True, "hello wor"),   # final: nothing held
     ("hello world!", ("world",), False, "hello "),  # cut before the stop string
     ("caf\ufffd", (), False, "caf"),                # incomplete UTF-8 character held back
+    ("aab", ("aabx",), False, ""),                  # the whole text may still become the stop
+    ("xaa", ("aab",), False, "x"),                  # the longest end that begins it is held
+    ("abab", ("abac",), False, "ab"),               # an earlier start that fails, a later one holds
+    ("ab", ("b",), False, "a"),                     # one-character stop: cut, nothing to hold
 ])
 def test_visible(text, strings, final, expected):
     assert visible(text, strings, final) == expected
@@ -90,3 +94,31 @@ def test_incremental_text_is_the_whole_decode(smollm2_tokenizer, seed, stops):
         i += n
     out += s.finish()
     assert out == whole == s.shown
+
+
+def test_held_text_against_every_prefix(seed: int = 0) -> None:
+    """The held-back end is the longest end of the text that is a proper beginning of a stop
+    string: checked against trying every prefix, on random texts over a small alphabet."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 8)))
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        if stop in text:
+            continue
+        slow = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        assert visible(text, (stop,), False) == text[:len(text) - slow], (text, stop)
+
+
+def test_a_megabyte_stop_string_costs_what_the_text_costs() -> None:
+    """A 1 MB stop string over a turn of 400 pushes: the held-back check tries only the ends of the
+    text (trying every prefix of the stop string took about a second a push)."""
+    import time
+
+    stream = TextStream(letters, ("x" * 1_000_000,))
+    t = time.perf_counter()
+    for i in range(400):
+        stream.push([i % 26])
+    assert time.perf_counter() - t < 5.0
+    assert stream.finish() == "" and len(stream.shown) == 400
