@@ -29,6 +29,7 @@ class RouterConfig:
     max_prompt_tokens: int = 8192        # context of a turn (history + new tokens)
     max_tokens: int = 2048               # upper bound of a request's max_tokens
     max_request_bytes: int = 4 << 20     # serialized request (gRPC) / body (HTTP)
+    body_timeout_s: float = 30.0         # HTTP: a body not in after this long gets a 408 (slow clients)
     session_ttl_s: float = 3600.0        # binding and history live this long after the last turn
     max_attempts: int = 3                # verifiers tried per turn (before and after the first token)
     default_max_tokens_http: int = 16    # OpenAI's default when a request names none
@@ -45,6 +46,8 @@ class RouterConfig:
         for name in ("max_prompt_tokens", "max_tokens", "max_request_bytes", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s: must be > 0, got {self.body_timeout_s}")
         if self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s: must be > 0, got {self.session_ttl_s}")
         if self.max_sessions_per_key < 0:
@@ -76,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--body-timeout-s", type=float, default=float(env("SPECMESH_BODY_TIMEOUT_S", d.body_timeout_s)),
+                   help="HTTP: seconds a request body may take to arrive; then 408 and the connection closes")
     p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--max-sessions-per-key", type=int,

@@ -3,6 +3,7 @@ and an OpenAI error type. Transport modules raise nothing else and map nothing t
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 import grpc
@@ -14,6 +15,7 @@ class Kind(StrEnum):
     NOT_FOUND = "not_found"            # unknown model
     BUSY = "busy"                      # the session has a turn in progress
     EXHAUSTED = "exhausted"            # rate or quota
+    TIMEOUT = "timeout"                # the client's request did not arrive in time (HTTP 408)
     UNAVAILABLE = "unavailable"        # no verifier, Redis down, every attempt failed
     INTERNAL = "internal"
 
@@ -25,6 +27,7 @@ STATUS: dict[Kind, tuple[grpc.StatusCode, int, str]] = {
     Kind.NOT_FOUND: (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
     Kind.BUSY: (grpc.StatusCode.FAILED_PRECONDITION, 409, "invalid_request_error"),
     Kind.EXHAUSTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+    Kind.TIMEOUT: (grpc.StatusCode.DEADLINE_EXCEEDED, 408, "invalid_request_error"),
     Kind.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
     Kind.INTERNAL: (grpc.StatusCode.INTERNAL, 500, "server_error"),
 }
@@ -65,6 +68,15 @@ class RouterError(Exception):
     def openai_body(self) -> dict:
         param = self.code if self.kind is Kind.INVALID else None  # OpenAI: the offending parameter
         return {"error": {"message": self.message, "type": STATUS[self.kind][2], "param": param, "code": self.code}}
+
+
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
+def field_of(message: str) -> str | None:
+    """The field an upstream error names: its messages start with "<field>: " (this project's rule)."""
+    m = _FIELD.match(message)
+    return m.group(1) if m else None
 
 
 def client_fault(code: grpc.StatusCode) -> Kind | None:

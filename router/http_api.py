@@ -11,12 +11,20 @@ for this request, `budget`, `depth`: tree shape; the gRPC SpeculationOptions, fo
 HTTP; openai clients pass it with `extra_body=`); `specmesh.speculation` stats in responses.
 Errors are OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}) with 400 / 401 /
 404 / 409 / 429 / 503; an error after a stream started is sent as an SSE `error` event.
-Not supported (400 naming the field): n > 1, best_of > 1, echo, logprobs, tools.
+Every request field is checked at this edge: unknown fields, wrong types, integers past what the
+field carries, strings that are not valid Unicode, unknown message roles or message fields and JSON
+nested too deep each get a 400 naming the field. OpenAI fields specmesh does not implement (n,
+best_of, echo, suffix, logprobs, top_logprobs, presence/frequency_penalty, logit_bias,
+response_format, tools, functions, tool_choice, parallel_tool_calls) are accepted only at the value
+that changes nothing (n = 1, penalties 0, ...), refused otherwise; `top_p: 0` is refused (the
+narrowest nucleus is not expressible as the proto's unset 0).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 import uuid
 from contextlib import aclosing
@@ -33,6 +41,66 @@ OUTCOME = "specmesh_outcome"  # request-scoped: how a stream that had started en
 API = "http"
 
 
+INT32_MAX = 2**31 - 1  # token ids and top_k travel as int32, seeds as uint64
+UINT64_MAX = 2**64 - 1
+ROLES = ("system", "user", "assistant")
+MESSAGE_FIELDS = ("role", "content")
+
+# Every field each endpoint honours; any other is refused with a 400 naming it, never ignored.
+# OpenAI fields specmesh does not implement are accepted only at the value that changes nothing.
+HONOURED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+            "ignore_eos", "speculation", "user", "stream", "stream_options"}
+ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt"},
+                   "chat": HONOURED | {"messages", "max_completion_tokens"}}
+
+
+NEUTRAL_ONLY = {  # field -> (endpoints, whether a value changes nothing)
+    "n": (("completions", "chat"), lambda v: v is None or (v == 1 and not isinstance(v, bool))),
+    "best_of": (("completions",), lambda v: v is None or (v == 1 and not isinstance(v, bool))),
+    "echo": (("completions",), lambda v: v is None or v is False),
+    "suffix": (("completions",), lambda v: v is None or v == ""),
+    "logprobs": (("completions", "chat"), lambda v: v is None or v is False),
+    "top_logprobs": (("chat",), lambda v: v is None),
+    "presence_penalty": (("completions", "chat"), lambda v: v is None or (v == 0 and not isinstance(v, bool))),
+    "frequency_penalty": (("completions", "chat"), lambda v: v is None or (v == 0 and not isinstance(v, bool))),
+    "logit_bias": (("completions", "chat"), lambda v: v is None or v == {}),
+    "response_format": (("chat",), lambda v: v is None or v == {"type": "text"}),
+    "tools": (("chat",), lambda v: v is None or v == []),
+    "functions": (("chat",), lambda v: v is None or v == []),
+    "tool_choice": (("chat",), lambda v: v is None or v == "none"),
+    "parallel_tool_calls": (("chat",), lambda v: v is None),
+}
+
+
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Unknown fields and unimplemented ones at a value that would change the output: a 400 naming
+    the field (a field silently ignored would give a result the caller did not ask for)."""
+    allowed = ENDPOINT_FIELDS[endpoint]
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        neutral = NEUTRAL_ONLY.get(name)
+        if neutral is None or endpoint not in neutral[0]:
+            raise invalid(name, f"unknown field for /v1/{'chat/' if endpoint == 'chat' else ''}completions")
+        if not neutral[1](value):
+            raise invalid(name, f"not supported (only {_neutral_text(name)} is accepted)")
+
+
+def _neutral_text(name: str) -> str:
+    return {"n": "1", "best_of": "1", "echo": "false", "suffix": '""', "logprobs": "false or null",
+            "response_format": '{"type": "text"}', "tools": "[]", "functions": "[]", "tool_choice": '"none"',
+            "logit_bias": "{}", "presence_penalty": "0", "frequency_penalty": "0"}.get(name, "null")
+
+
+def _text(value: str, name: str) -> str:
+    """A string that can travel (UTF-8): a lone surrogate such as "\\ud800" is refused."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(name, f"not valid Unicode ({e.reason} at character {e.start})") from e
+    return value
+
+
 def _field(body: dict, name: str, types: type | tuple[type, ...], default=None):
     value = body.get(name)
     if value is None:
@@ -40,7 +108,29 @@ def _field(body: dict, name: str, types: type | tuple[type, ...], default=None):
     types = types if isinstance(types, tuple) else (types,)
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise invalid(name, f"wrong type {type(value).__name__}")
+    return _text(value, name) if isinstance(value, str) else value
+
+
+def _int(body: dict, name: str, low: int, high: int, default: int | None) -> int | None:
+    value = _field(body, name, int, None)
+    if value is None:
+        return default
+    if not low <= value <= high:
+        raise invalid(name, f"must be in [{low}, {high}], got {value}")
     return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = _field(body, name, (int, float), None)
+    if value is None:
+        return default
+    try:
+        out = float(value)
+    except OverflowError as e:
+        raise invalid(name, "too large") from e
+    if not math.isfinite(out):
+        raise invalid(name, "must be finite")
+    return out
 
 
 SPECULATION_FIELDS = {"disabled": bool, "budget": int, "depth": int}
@@ -64,75 +154,96 @@ def _stops(body: dict) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,)
+        return (_text(stop, "stop"),)
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
+        return tuple(_text(s, "stop") for s in stop)
     raise invalid("stop", "a string or a list of strings")
 
 
 def _token_list(value, name: str) -> list[int]:
     if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
         raise invalid(name, "a list of token ids")
+    bad = next((t for t in value if not 0 <= t <= INT32_MAX), None)
+    if bad is not None:
+        raise invalid(name, f"token id {bad} outside [0, {INT32_MAX}]")
     return value
 
 
-def _message_text(content) -> str:
+def _message(m, i: int) -> dict:
+    """One chat message, {role, content}: roles the template renders, text content only."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise invalid(where, "a {role, content} object")
+    extra = next((k for k in m if k not in MESSAGE_FIELDS), None)
+    if extra is not None:
+        raise invalid(f"{where}.{extra}", f"unknown message field; expected {list(MESSAGE_FIELDS)}")
+    role = m.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role", f"one of {list(ROLES)}, got {role!r}")
+    content = m.get("content", "")
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise invalid("messages", "content must be a string or a list of text parts")
+        text = content
+    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                           and set(p) <= {"type", "text"} and isinstance(p.get("text", ""), str)
+                                           for p in content):
+        text = "".join(p.get("text", "") for p in content)
+    else:
+        raise invalid(f"{where}.content", "a string or a list of {type: text, text} parts")
+    return {"role": role, "content": _text(text, f"{where}.content")}
 
 
 class OpenAIApi:
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def _body(self, request: web.Request) -> tuple[dict, str]:
-        """The request's JSON body, checked, and the caller's API key id."""
+    async def _body(self, request: web.Request, endpoint: str) -> tuple[dict, str]:
+        """The request's JSON body, checked (`endpoint`: completions | chat), and the caller's API key id."""
         key = self.router.authenticate(request.headers.get("Authorization"))
         limit = self.router.cfg.max_request_bytes
         if (request.content_length or 0) > limit:
             raise invalid("request_bytes", f"{request.content_length} bytes exceed max_request_bytes {limit}")
-        try:
-            raw = await request.read()  # bounded by client_max_size = the limit
+        timeout = self.router.cfg.body_timeout_s
+        try:  # bounded in size by client_max_size = the limit, and in time
+            raw = await asyncio.wait_for(request.read(), timeout)
         except web.HTTPRequestEntityTooLarge as e:
             raise invalid("request_bytes", f"more than max_request_bytes {limit}") from e
+        except asyncio.TimeoutError as e:
+            raise RouterError(Kind.TIMEOUT, f"body: not received within {timeout:g} s", code="body") from e
         try:
             body = json.loads(raw)
+        except RecursionError as e:
+            raise invalid("body", "JSON nested too deep") from e
         except ValueError as e:
             raise invalid("body", f"not JSON ({e})") from e
         if not isinstance(body, dict):
             raise invalid("body", "a JSON object")
+        _check_fields(body, endpoint)
         model = _field(body, "model", str, "")
         if model and model != self.router.model_name:
             raise RouterError(Kind.NOT_FOUND, f"model: {model!r} does not exist; this router serves "
                                               f"{self.router.model_name!r}", code="model_not_found")
-        for name, ok in (("n", lambda v: v == 1), ("best_of", lambda v: v == 1), ("echo", lambda v: not v),
-                         ("logprobs", lambda v: not v), ("tools", lambda v: not v)):
-            if body.get(name) is not None and not ok(body[name]):
-                raise invalid(name, "not supported")
         return body, key
 
     def _turn(self, request: web.Request, body: dict, key: str, ids: list[int], default_max_tokens: int,
               max_tokens_field: str = "max_tokens") -> TurnRequest:
         r = self.router
-        max_tokens = _field(body, max_tokens_field, int, None)
-        if max_tokens is None and max_tokens_field != "max_tokens":
-            max_tokens = _field(body, "max_tokens", int, None)
+        field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+        max_tokens = _field(body, field, int, None)
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        if not 1 <= max_tokens <= r.cfg.max_tokens:
+            raise invalid(field, f"must be in [1, {r.cfg.max_tokens}], got {max_tokens}")
         session_id = request.headers.get("X-Session-ID") or _field(body, "user", str, "")
         stops = _stops(body)
         stop_ids = tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids"))
         ignore_eos = bool(_field(body, "ignore_eos", bool, False))
         r.check_request(request.content_length or 0, max_tokens, session_id, len(stops))
-        sampling = common_pb2.SamplingParams(
-            temperature=float(_field(body, "temperature", (int, float), 1.0)),
-            top_p=float(_field(body, "top_p", (int, float), 1.0)), top_k=int(_field(body, "top_k", int, 0)))
-        seed = _field(body, "seed", int, None)
+        top_p = _number(body, "top_p", 1.0)
+        if not 0 < top_p <= 1:  # proto3 reads 0 as unset (1.0): refused rather than read so
+            raise invalid("top_p", f"must be in (0, 1], got {top_p}")
+        sampling = common_pb2.SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=top_p,
+                                             top_k=_int(body, "top_k", 0, INT32_MAX, 0))
+        seed = _int(body, "seed", 0, UINT64_MAX, None)
         if seed is not None:
-            if seed < 0:
-                raise invalid("seed", "must be >= 0")
             sampling.seed = seed
         template = verifier_pb2.GenerateRequest(sampling=sampling, stop=stops, stop_token_ids=stop_ids,
                                                 ignore_eos=ignore_eos, speculation=_speculation(body))
@@ -142,25 +253,23 @@ class OpenAIApi:
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, key = await self._body(request)
+        body, key = await self._body(request, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = await self.router.encode(prompt)
+            ids = await self.router.encode(_text(prompt, "prompt"))
         else:
             ids = _token_list(prompt, "prompt")
         turn = self._turn(request, body, key, ids, self.router.cfg.default_max_tokens_http)
         return await self._respond(request, body, turn, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body, key = await self._body(request)
+        body, key = await self._body(request, "chat")
         messages = body.get("messages")
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                                 for m in messages)):
+        if not (isinstance(messages, list) and messages):
             raise invalid("messages", "a non-empty list of {role, content}")
-        ids = await self.router.encode_chat([{"role": m["role"], "content": _message_text(m.get("content", ""))}
-                                             for m in messages])
+        ids = await self.router.encode_chat([_message(m, i) for i, m in enumerate(messages)])
         turn = self._turn(request, body, key, ids, self.router.cfg.max_tokens, "max_completion_tokens")
         return await self._respond(request, body, turn, chat=True)
 
@@ -170,9 +279,19 @@ class OpenAIApi:
                 "model": self.router.model_name}
         stream = bool(_field(body, "stream", bool, False))
         options = _field(body, "stream_options", dict, {})
-        include_usage = bool(options.get("include_usage"))
+        extra = next((k for k in options if k != "include_usage"), None)
+        if extra is not None:
+            raise invalid(f"stream_options.{extra}", "unknown; expected include_usage")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise invalid("stream_options.include_usage", f"wrong type {type(include_usage).__name__}")
         async with aclosing(self.router.run(turn)) as events:
-            first = await anext(events)  # errors before the first event are plain HTTP errors
+            try:
+                first = await anext(events)  # errors before the first event are plain HTTP errors
+            except RouterError as e:
+                if e.code == "token_ids":  # the verifier's name for what this request sent as
+                    e.code = "messages" if chat else "prompt"
+                raise
             if not stream:
                 text, done = [], first
                 while isinstance(done, Delta):
@@ -255,6 +374,11 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except RouterError as e:
         outcome = e.kind.value
         return web.json_response(e.openai_body(), status=e.http_status, headers=dict(e.headers))
+    except web.HTTPException:
+        raise
+    except Exception:
+        outcome = "internal"  # a bug: aiohttp answers 500; counted as what it is, not "ok"
+        raise
     finally:
         if request.path.startswith("/v1/") and request.method == "POST":
             request.app[ROUTER_KEY].metrics.requests[(API, request.get(OUTCOME, outcome))] += 1

@@ -34,7 +34,7 @@ from enum import Enum
 import grpc
 
 from router.config import RouterConfig
-from router.errors import Kind, RouterError, client_fault, invalid
+from router.errors import Kind, RouterError, client_fault, field_of, invalid
 from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
 from router.state import RouterState, StateUnavailable
@@ -137,6 +137,11 @@ class Router:
         self.metrics = metrics or Metrics()
         self.policy = get_policy(cfg.policy)
         self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+        # the strings the tokenizer turns into control tokens (<|im_start|>, ...): in chat content
+        # they would let a message forge the template's structure (another role, a system turn)
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.control_strings = sorted({t.content for t in added.values() if getattr(t, "special", False)}
+                                      | set(getattr(tokenizer, "all_special_tokens", []) or []))
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     # -- tokens and text -----------------------------------------------------------------------
@@ -147,6 +152,14 @@ class Router:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
     async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to `messages`; content holding one of the template's control
+        strings is refused (a 400 naming the message), never rendered as a control token."""
+        for i, m in enumerate(messages):
+            content = m.get("content", "")
+            hit = next((c for c in self.control_strings if c and c in content), None)
+            if hit is not None:
+                raise invalid(f"messages[{i}].content", f"holds the control token {hit!r} of the chat template")
+
         def run() -> list[int]:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -306,7 +319,8 @@ class Router:
         except grpc.aio.AioRpcError as e:
             kind = client_fault(e.code())
             if kind is not None:
-                raise RouterError(kind, e.details() or e.code().name) from e
+                details = e.details() or e.code().name
+                raise RouterError(kind, details, code=field_of(details)) from e
             t.last_error = f"{binding.verifier}: {e.code().name} {e.details()}"
             log.warning("turn of %r failed on %s", sid, t.last_error)
             t.excluded.add(binding.verifier)
@@ -354,7 +368,8 @@ class Router:
             try:
                 chosen = self.policy(meta, endpoints, loads, current)
             except NoVerifierError as e:
-                raise RouterError(Kind.UNAVAILABLE, f"{e} (registered: {sorted(x.address for x in endpoints)})") from e
+                seen = sorted(f"{x.role.value} {x.address}" for x in endpoints)
+                raise RouterError(Kind.UNAVAILABLE, f"{e} (registered: {seen})") from e
             if not sid or chosen == current:
                 self.metrics.placements["kept" if chosen == current else "one-shot"] += 1
                 return chosen

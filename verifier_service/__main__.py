@@ -6,6 +6,7 @@ elsewhere with `python -m verifier_service.tp_group --master THIS_HOST:29500 --r
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
@@ -76,15 +77,37 @@ def main(argv: list[str] | None = None) -> int:
 
         beat = start_heartbeat(cfg.redis_url, "verifier", advertised_address(cfg.host, port), model_name(path),
                                load=lambda: {"active_sessions": len(verifier.sessions)})
+    stopping = threading.Event()
+    if grouped:  # a broken group cannot recover: say so to health checks and leave the registry
+        threading.Thread(target=_watch_group, args=(model, hs, beat, stopping), daemon=True, name="tp-health").start()
     try:
         serve_until_signal(server, hs, cfg.grace_s)
     finally:
+        stopping.set()
         if beat is not None:
             beat.stop()
         verifier.shutdown()
         if grouped:
             model.shutdown()
     return 0
+
+
+def _watch_group(model, hs, beat, stopping: threading.Event, every_s: float = 1.0) -> None:
+    """Once the TP group is broken (a rank died or stalled: every Generate fails from then on),
+    report NOT_SERVING on grpc.health.v1 (the k8s probes restart the pod) and deregister from
+    the router's registry instead of heartbeating on."""
+    from grpc_health.v1 import health_pb2
+
+    from verifier_service.server import SERVICE_NAME
+
+    while model.healthy:
+        if stopping.wait(every_s):
+            return
+    print("verifier_service: the TP group is broken: health NOT_SERVING, deregistered", file=sys.stderr, flush=True)
+    for name in ("", SERVICE_NAME):
+        hs.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if beat is not None:
+        beat.stop()
 
 
 if __name__ == "__main__":
