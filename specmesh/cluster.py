@@ -4,7 +4,8 @@ one verifier with TP=k. Used by `specmesh up` (specmesh.up) and by tests.
 
 Each child runs in its own process group, so a terminal's Ctrl-C reaches only the parent, which
 stops the children in reverse start order (verifier first, Redis last) and then kills whatever is
-left in each child's group (TP ranks included). `watch()` reports a child that exited on its own.
+left in each child's group (TP ranks included). `watch()` reports a child that exited on its own,
+or (`specmesh up`) starts it again on the same addresses while the others go on serving.
 
 Knows processes, flags and readiness lines; nothing of what the services compute.
 """
@@ -35,6 +36,8 @@ TAIL_LINES = 40
 START_TIMEOUT_S = 300.0   # model load on a busy 2-core machine
 REGISTER_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
+MAX_RESTARTS = 3           # restarts of one child within RESTART_WINDOW_S; one more stops the cluster
+RESTART_WINDOW_S = 60.0
 
 
 class ClusterError(RuntimeError):
@@ -93,6 +96,7 @@ class Child:
     echo: Callable[[str, str], None] | None = None  # called with (name, line) once the cluster is up
     address: str = ""
     metrics_url: str = ""           # its Prometheus endpoint, when it has one
+    argv: list[str] = field(default_factory=list)  # how it was started (a restart runs it again)
 
     @property
     def pid(self) -> int:
@@ -127,7 +131,7 @@ def spawn(name: str, argv: list[str], ready_pattern: re.Pattern | None) -> Child
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              text=True, errors="replace", env=env, process_group=0)
-    child = Child(name, popen, ready_pattern)
+    child = Child(name, popen, ready_pattern, argv=list(argv))
     threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True).start()
     return child
 
@@ -173,6 +177,7 @@ class Cluster:
         self.grpc_address = ""
         self.http_address = ""               # "" when the router has no HTTP API
         self._ports: set[int] = set()        # metrics ports handed out (children bind them later)
+        self._restarts: dict[str, deque] = {}  # child name -> when it was restarted lately
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -269,15 +274,49 @@ class Cluster:
         for c in self.children:
             c.echo = echo
 
-    def watch(self) -> None:
-        """ClusterError if a child (or the embedded Redis) has exited."""
-        for c in self.children:
-            if c.popen.poll() is not None:
-                c.ready.wait(2)
-                raise ClusterError(crash_report(c.name, c.pid, c.popen.returncode, list(c.tail)))
+    def watch(self, restart: Callable[[str], None] | None = None,
+              should_stop: Callable[[], bool] = lambda: False) -> None:
+        """ClusterError if a child (or the embedded Redis) has exited. With `restart` (a log), a
+        child that exited is started again on the same addresses, as a supervisor does, and the
+        others go on serving; `restart` gets its crash report. More than MAX_RESTARTS of one child
+        within RESTART_WINDOW_S (a crash loop) is a ClusterError all the same."""
+        for i, c in enumerate(self.children):
+            if c.popen.poll() is None:
+                continue
+            c.ready.wait(2)
+            report = crash_report(c.name, c.pid, c.popen.returncode, list(c.tail))
+            recent = self._restarts.setdefault(c.name, deque())
+            now = time.monotonic()
+            while recent and now - recent[0] > RESTART_WINDOW_S:
+                recent.popleft()
+            if restart is None or len(recent) >= MAX_RESTARTS:
+                raise ClusterError(report + (f"\n{c.name}: restarted {len(recent)} times in {RESTART_WINDOW_S:.0f}s; "
+                                             "giving up" if restart is not None else ""))
+            recent.append(now)
+            restart(f"{report}\nrestarting {c.name}")
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.pid, signal.SIGKILL)  # what is left of its group (TP ranks)
+            self.children[i] = self._respawn(c, should_stop)
+            restart(f"{c.name} restarted (pid {self.children[i].pid})")
         if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
             raise ClusterError(crash_report("redis", self.redis.proc.pid, self.redis.proc.returncode,
                                             self.redis.last_lines()))
+
+    def _respawn(self, old: Child, should_stop: Callable[[], bool]) -> Child:
+        """`old` started again with its ports fixed to the ones it had (0 = any would move it: the
+        registry, the sidecars and the clients know the old addresses)."""
+        ports = {"--port": old.address.rsplit(":", 1)[-1] if old.address else "0"}
+        if old.name == "router" and self.http_address:
+            ports["--http-port"] = self.http_address.rsplit(":", 1)[-1]
+        argv = list(old.argv)
+        for j, arg in enumerate(argv[:-1]):
+            if arg in ports and argv[j + 1] == "0":
+                argv[j + 1] = ports[arg]
+        child = spawn(old.name, argv, old.ready_pattern)
+        child.metrics_url = old.metrics_url
+        self._wait([child], should_stop)
+        child.echo = old.echo
+        return child
 
     def endpoints(self) -> list[tuple[str, str, int, str]]:
         """(name, address, pid, metrics URL or "") of every process, in start order."""

@@ -1,6 +1,7 @@
 """`specmesh up`: a whole local deployment in one command (specmesh.cluster), its endpoints, a ready
-line, and a clean stop on Ctrl-C / SIGTERM / SIGHUP; a child that exits on its own is reported
-and stops the cluster with exit code 1. `--demo` runs one streamed chat generation through the
+line, and a clean stop on Ctrl-C / SIGTERM / SIGHUP; a child that exits on its own is reported and
+started again on the same addresses while the others go on serving (a crash loop, more than 3
+restarts of one child in a minute, stops the cluster with exit code 1). `--demo` runs one streamed chat generation through the
 router with the SDK, prints the text as it streams and the speculation stats, then stops (exit 0).
 
 Output (stdout): one line per process, then `specmesh ready: grpc HOST:PORT http http://HOST:H`.
@@ -158,7 +159,7 @@ def run(cfg: UpConfig) -> int:
         if demo is not None:
             demo.start()
         while not stop.wait(0.2):
-            cluster.watch()
+            cluster.watch(restart=_err, should_stop=stop.is_set)
             if demo is not None and not demo.is_alive():
                 code = demo.code
                 break
