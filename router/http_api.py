@@ -54,21 +54,30 @@ ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt"},
                    "chat": HONOURED | {"messages", "max_completion_tokens"}}
 
 
-NEUTRAL_ONLY = {  # field -> (endpoints, whether a value changes nothing)
-    "n": (("completions", "chat"), lambda v: v is None or (v == 1 and not isinstance(v, bool))),
-    "best_of": (("completions",), lambda v: v is None or (v == 1 and not isinstance(v, bool))),
-    "echo": (("completions",), lambda v: v is None or v is False),
-    "suffix": (("completions",), lambda v: v is None or v == ""),
-    "logprobs": (("completions", "chat"), lambda v: v is None or v is False),
-    "top_logprobs": (("chat",), lambda v: v is None),
-    "presence_penalty": (("completions", "chat"), lambda v: v is None or (v == 0 and not isinstance(v, bool))),
-    "frequency_penalty": (("completions", "chat"), lambda v: v is None or (v == 0 and not isinstance(v, bool))),
-    "logit_bias": (("completions", "chat"), lambda v: v is None or v == {}),
-    "response_format": (("chat",), lambda v: v is None or v == {"type": "text"}),
-    "tools": (("chat",), lambda v: v is None or v == []),
-    "functions": (("chat",), lambda v: v is None or v == []),
-    "tool_choice": (("chat",), lambda v: v is None or v == "none"),
-    "parallel_tool_calls": (("chat",), lambda v: v is None),
+def _one(v) -> bool:
+    return v is None or (v == 1 and not isinstance(v, bool))
+
+
+def _zero(v) -> bool:
+    return v is None or (v == 0 and not isinstance(v, bool))
+
+
+BOTH = ("completions", "chat")
+NEUTRAL_ONLY = {  # field -> (endpoints, the value accepted as said in the 400, whether a value is it)
+    "n": (BOTH, "1", _one),
+    "best_of": (("completions",), "1", _one),
+    "echo": (("completions",), "false", lambda v: v is None or v is False),
+    "suffix": (("completions",), '""', lambda v: v is None or v == ""),
+    "logprobs": (BOTH, "false or null", lambda v: v is None or v is False),
+    "top_logprobs": (("chat",), "null", lambda v: v is None),
+    "presence_penalty": (BOTH, "0", _zero),
+    "frequency_penalty": (BOTH, "0", _zero),
+    "logit_bias": (BOTH, "{}", lambda v: v is None or v == {}),
+    "response_format": (("chat",), '{"type": "text"}', lambda v: v is None or v == {"type": "text"}),
+    "tools": (("chat",), "[]", lambda v: v is None or v == []),
+    "functions": (("chat",), "[]", lambda v: v is None or v == []),
+    "tool_choice": (("chat",), '"none"', lambda v: v is None or v == "none"),
+    "parallel_tool_calls": (("chat",), "null", lambda v: v is None),
 }
 
 
@@ -79,17 +88,11 @@ def _check_fields(body: dict, endpoint: str) -> None:
     for name, value in body.items():
         if name in allowed:
             continue
-        neutral = NEUTRAL_ONLY.get(name)
-        if neutral is None or endpoint not in neutral[0]:
+        endpoints, accepted, neutral = NEUTRAL_ONLY.get(name, ((), "", None))
+        if endpoint not in endpoints:
             raise invalid(name, f"unknown field for /v1/{'chat/' if endpoint == 'chat' else ''}completions")
-        if not neutral[1](value):
-            raise invalid(name, f"not supported (only {_neutral_text(name)} is accepted)")
-
-
-def _neutral_text(name: str) -> str:
-    return {"n": "1", "best_of": "1", "echo": "false", "suffix": '""', "logprobs": "false or null",
-            "response_format": '{"type": "text"}', "tools": "[]", "functions": "[]", "tool_choice": '"none"',
-            "logit_bias": "{}", "presence_penalty": "0", "frequency_penalty": "0"}.get(name, "null")
+        if not neutral(value):
+            raise invalid(name, f"not supported (only {accepted} is accepted)")
 
 
 def _text(value: str, name: str) -> str:
@@ -230,13 +233,11 @@ class OpenAIApi:
         field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
         max_tokens = _field(body, field, int, None)
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
-        if not 1 <= max_tokens <= r.cfg.max_tokens:
-            raise invalid(field, f"must be in [1, {r.cfg.max_tokens}], got {max_tokens}")
         session_id = request.headers.get("X-Session-ID") or _field(body, "user", str, "")
         stops = _stops(body)
         stop_ids = tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids"))
         ignore_eos = bool(_field(body, "ignore_eos", bool, False))
-        r.check_request(request.content_length or 0, max_tokens, session_id, len(stops))
+        r.check_request(request.content_length or 0, max_tokens, session_id, len(stops), field)
         top_p = _number(body, "top_p", 1.0)
         if not 0 < top_p <= 1:  # proto3 reads 0 as unset (1.0): refused rather than read so
             raise invalid("top_p", f"must be in (0, 1], got {top_p}")

@@ -182,12 +182,14 @@ class Router:
             raise RouterError(Kind.UNAUTHENTICATED, "authorization: a valid API key is required (Bearer KEY)")
         return key_id(key)
 
-    def check_request(self, size_bytes: int, max_tokens: int, session_id: str, stop_strings: int) -> None:
-        """The limits every request is checked against, whatever its front door."""
+    def check_request(self, size_bytes: int, max_tokens: int, session_id: str, stop_strings: int,
+                      max_tokens_field: str = "max_tokens") -> None:
+        """The limits every request is checked against, whatever its front door (`max_tokens_field`:
+        what that door calls max_tokens, e.g. OpenAI chat's max_completion_tokens)."""
         if size_bytes > self.cfg.max_request_bytes:
             raise invalid("request_bytes", f"{size_bytes} bytes exceed max_request_bytes {self.cfg.max_request_bytes}")
         if not 1 <= max_tokens <= self.cfg.max_tokens:
-            raise invalid("max_tokens", f"must be in [1, {self.cfg.max_tokens}], got {max_tokens}")
+            raise invalid(max_tokens_field, f"must be in [1, {self.cfg.max_tokens}], got {max_tokens}")
         if len(session_id) > MAX_SESSION_ID:
             raise invalid("session_id", f"longer than {MAX_SESSION_ID} characters")
         if stop_strings > MAX_STOP_STRINGS:
