@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from loadtest.bench_engine import Row, add_stats, base_meta, expected_tokens_per_step
+from loadtest.bench_engine import Row, add_markdown_flag, add_stats, base_meta, expected_tokens_per_step, print_saved
 from specmesh.drafters.base import Drafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.model import Transformer
@@ -358,10 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="coder pair: skip the transformers peer")
     ap.add_argument("--quick", action="store_true", help="1 prompt x 16 tokens, chain and tree b8 only")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--markdown", metavar="JSON", default=None, help="print the table of a saved result and exit")
+    add_markdown_flag(ap)
     args = ap.parse_args(argv)
-    if args.markdown:
-        print(format_table(json.loads(Path(args.markdown).read_text())))
+    if print_saved(args.markdown, format_table):
         return 0
     if args.cost_reps < 1 or args.depth < 1:
         ap.error("--cost-reps and --depth must be >= 1")

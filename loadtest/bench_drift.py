@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_drafters import _load_shared, hf_generate, pick_prompts
+from loadtest.bench_engine import add_markdown_flag, print_saved
 from loadtest.bench_pairs import PAIRS, RESULTS, llama_binding, llama_chunks, machine_info
 
 FORMATS = ("float32", "int8", "int4", "gguf")
@@ -70,10 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--out", default=None)
-    ap.add_argument("--markdown", metavar="JSON", default=None, help="print the table of a saved result and exit")
+    add_markdown_flag(ap)
     args = ap.parse_args(argv)
-    if args.markdown:
-        print(format_table(json.loads(Path(args.markdown).read_text())))
+    if print_saved(args.markdown, format_table):
         return 0
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if bad := set(formats) - set(FORMATS):

@@ -95,6 +95,19 @@ def base_meta() -> dict:
             "kernel_dispatch": kernels.describe()}  # per weight shape: kernel or torch, and the times (call after loading)
 
 
+def add_markdown_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--markdown", metavar="JSON", default=None, help="print the table of a saved result and exit")
+
+
+def print_saved(path: str | None, format_table) -> bool:
+    """--markdown: print the table of the result saved at `path` (True), or nothing when not given."""
+    if not path:
+        return False
+    with open(path) as f:
+        print(format_table(json.load(f)))
+    return True
+
+
 def save(path: str, meta: dict, results: list[dict], table: str) -> None:
     """The JSON result file, then the README-ready table on stdout."""
     with open(path, "w") as f:

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_drafters import _load_shared, pick_prompts
-from loadtest.bench_engine import base_meta
+from loadtest.bench_engine import add_markdown_flag, base_meta, print_saved
 from loadtest.bench_services import Config, _timed, add_timed, generate_inproc, run_remote
 from specmesh.launch import start
 
@@ -463,10 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32",
                     help="the services' weights (verifier and drafter --dtype; auto: measured here), and "
                          "in-process rows in that format beside the fp32 ones")
-    ap.add_argument("--markdown", metavar="JSON", default=None, help="print the table of a saved result and exit")
+    add_markdown_flag(ap)
     args = ap.parse_args(argv)
-    if args.markdown:
-        print(format_table(json.loads(Path(args.markdown).read_text())))
+    if print_saved(args.markdown, format_table):
         return 0
     pairs = ["smollm2"] if args.quick else [p.strip() for p in args.pairs.split(",") if p.strip()]
     if unknown := set(pairs) - set(PAIRS):

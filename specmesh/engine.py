@@ -290,8 +290,9 @@ def measure_steps(model: Transformer, rows: tuple[int, ...] = STEP_ROWS, rounds:
                   context: int = 32) -> list[tuple[int, float]]:
     """The target's step (`TargetSession.step`: forward, verification, commit, what `run_turn`
     times as verify_s) by rows, on a chain of rows - 1 nodes after `context` tokens: (rows,
-    fastest of `rounds` in seconds: noise only adds) per row count, after one untimed step. A drafter's planner takes its
-    verification cost's shape from these points (the verifier measures them at its start)."""
+    fastest of `rounds` in seconds: noise only adds) per row count, after one untimed step. A
+    drafter's planner takes its verification cost's shape from these points (the verifier
+    measures them at its start)."""
     params = SamplingParams()
     generator = make_generator(params)
     vocab = model.config.vocab_size
