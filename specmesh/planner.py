@@ -20,7 +20,8 @@ tokens per second:
   (`grow_tree`'s, with the drafter's scores ranking siblings);
 - sequential: a step takes V + D (V = verification plus the link, D = drafting the tree);
 - pipelined with predrafts S: the predrafts take P(S) and run while the step is verified; on a hit
-  (probability h(S): the outcome is in S and the bonus is one of the predraft's candidates) the next
+  (probability h(S): the outcome is in S and the bonus is one of the predraft's candidates, whose
+  odds are the candidates' rank rates times the session's observed/predicted bonus hits) the next
   tree is ready at max(V, P); on a miss the drafter drafts afresh after that: max(V, P) + D.
 This module knows nothing of sessions, transport or models.
 """
@@ -173,10 +174,28 @@ class Acceptance:
 
     accepted: list[list[float]] = field(default_factory=lambda: _grid(0.0))
     tried: list[list[float]] = field(default_factory=lambda: _grid(0.0))
+    # predrafts whose outcome came: how often the bonus was one of their candidates, against the
+    # sum of what `bonus_hit` predicted for them (a feature drafter guesses the bonus from predicted
+    # features, worse than its rank rates say; a model drafter may guess better)
+    bonus_hits: float = 0.0
+    bonus_expected: float = 0.0
 
     def rate(self, depth: int, rank: int) -> float:
+        """Beta mean at (depth, rank), its prior the same rank pooled over every depth (itself
+        started from PRIOR_ACCEPT): a depth no tree has reached yet, such as the bonus one level
+        below a tree that a predraft bets on, takes what the session showed at the depths it did
+        reach, not the fixed prior."""
         d, r = min(depth, MAX_LEVELS) - 1, min(rank, MAX_RANKS - 1)
+        return self._at(d, r, self.pooled(r))
+
+    def pooled(self, rank: int) -> float:
+        """Acceptance at sibling rank `rank` over all depths together."""
+        r = min(rank, MAX_RANKS - 1)
         prior = PRIOR_ACCEPT[0] if r == 0 else PRIOR_ACCEPT[1]
+        return ((sum(row[r] for row in self.accepted) + PRIOR_WEIGHT * prior)
+                / (sum(row[r] for row in self.tried) + PRIOR_WEIGHT))
+
+    def _at(self, d: int, r: int, prior: float) -> float:
         return (self.accepted[d][r] + PRIOR_WEIGHT * prior) / (self.tried[d][r] + PRIOR_WEIGHT)
 
     def observe(self, parents: list[int], accepted_nodes: list[int]) -> None:
@@ -199,11 +218,15 @@ class Acceptance:
                 return
             node = taken
 
-    def merge_into(self, other: "Acceptance", weight: float = 1.0) -> None:
-        for d in range(MAX_LEVELS):
-            for r in range(MAX_RANKS):
-                other.accepted[d][r] += weight * self.accepted[d][r]
-                other.tried[d][r] += weight * self.tried[d][r]
+    def observe_bonus(self, expected: float, hit: bool) -> None:
+        """A predraft's outcome came: `bonus_hit` gave it `expected`; `hit`: the bonus had a tree in it."""
+        self.bonus_expected += expected
+        self.bonus_hits += float(hit)
+
+    @property
+    def bonus_calibration(self) -> float:
+        """Observed over predicted bonus hits (PRIOR_WEIGHT observations of 1 before any)."""
+        return (self.bonus_hits + PRIOR_WEIGHT) / (self.bonus_expected + PRIOR_WEIGHT)
 
     def decay(self, total: float) -> None:
         """Halve the history once it holds more than `total` depth-1 trials (recent sessions count)."""
@@ -211,12 +234,15 @@ class Acceptance:
             for grid in (self.accepted, self.tried):
                 for row in grid:
                     row[:] = [0.5 * x for x in row]
+            self.bonus_hits *= 0.5
+            self.bonus_expected *= 0.5
 
     def scaled(self, total: float) -> "Acceptance":
         """A copy holding at most `total` observations at depth 1 (a prior for a new session)."""
         n = sum(self.tried[0]) or 1.0
         k = min(1.0, total / n)
-        return Acceptance([[k * x for x in row] for row in self.accepted], [[k * x for x in row] for row in self.tried])
+        return Acceptance([[k * x for x in row] for row in self.accepted], [[k * x for x in row] for row in self.tried],
+                          k * self.bonus_hits, k * self.bonus_expected)
 
 
 def _grid(v: float) -> list[list[float]]:
@@ -266,7 +292,8 @@ def topology(budget: int, depth: int, branches: int = 0) -> Topology:
 
 def rates(acc: "Acceptance") -> list[list[float]]:
     """[depth - 1][rank] -> P(accepted | parent accepted, elder siblings rejected)."""
-    return [[acc.rate(d, r) for r in range(MAX_RANKS)] for d in range(1, MAX_LEVELS + 1)]
+    pooled = [acc.pooled(r) for r in range(MAX_RANKS)]
+    return [[acc._at(d, r, pooled[r]) for r in range(MAX_RANKS)] for d in range(MAX_LEVELS)]
 
 
 def _rate(table: list[list[float]], depth: int, rank: int) -> float:
@@ -339,6 +366,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     it would be judged by comes only from trees that are verified)."""
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
+    calibration = acc.bonus_calibration
     best: Plan | None = None
     if not (fixed or speculate):
         # the drafter feeds each committed token once anyway: pipelined, while the verifier steps;
@@ -360,7 +388,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                 levels, rows = len(pre_levels), sum(pre_levels)
                 hit, chosen = 0.0, []
                 for k, p, w in odds[:MAX_OUTCOMES]:
-                    hit += p * _bonus_hit(table, k + 1, w, branches)
+                    hit += p * min(1.0, calibration * bonus_hit(table, k + 1, w, branches))
                     chosen.append(k)
                     m, held = len(chosen), max(chosen)  # the session first feeds the path it holds
                     # one outcome is one single-tree call (DraftAhead.predraft), several one
@@ -376,7 +404,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     return best
 
 
-def _bonus_hit(table: list[list[float]], depth: int, after: int, branches: int) -> float:
+def bonus_hit(table: list[list[float]], depth: int, after: int, branches: int) -> float:
     """P(the bonus at `depth` is one of the predraft's `branches` candidates, which come after the
     `after` children the tree had there: those were rejected, so the bonus is none of them)."""
     miss = 1.0

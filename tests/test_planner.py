@@ -122,6 +122,39 @@ def test_acceptance_counts_the_tried_ranks_along_the_accepted_path() -> None:
     assert acc.tried[0][:2] == [2, 1] and acc.accepted[0][:2] == [1, 0]
 
 
+def test_a_depth_never_reached_takes_the_sessions_pooled_rate() -> None:
+    # chains of 4 all accepted: depth 5 (the bonus a predraft bets on) was never tried, and its
+    # estimate follows the evidence at depths 1-4, not the fixed prior
+    acc = Acceptance()
+    for _ in range(50):
+        acc.observe([-1, 0, 1, 2], [0, 1, 2, 3])
+    assert acc.rate(5, 0) > 0.9
+    assert acc.rate(5, 0) == pytest.approx(rates(acc)[4][0])
+    for _ in range(50):  # and evidence of its own at a depth outweighs the pooled prior
+        acc.observe([-1, 0, 1, 2, 3], [0, 1, 2, 3])
+    assert acc.rate(5, 0) < 0.1 < acc.rate(4, 0)
+
+
+def test_bonus_hits_below_prediction_turn_predrafting_off() -> None:
+    # a drafter whose width is cheap, the verification slower than drafting (10% slower beside a
+    # predraft, as measured): predrafting pays while the bonus candidates hit as their rank rates
+    # say, and stops once the session shows that they hit far less often (as a feature drafter's
+    # guesses from predicted features do)
+    costs = _costs(0.01, 0.0005, 0.03, 0.004, link_s=0.002)
+    costs.verify_overlapped = LinearCost((0.033, 0.0044))
+    costs.verify_overlapped.add((1.0, 2.0), 0.0418)
+    costs.verify.add((1.0, 2.0), 0.038)
+    acc = _acceptance(0.6, n=1000.0)
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=False).outcomes
+    for _ in range(200):
+        acc.observe_bonus(0.6, False)
+    assert acc.bonus_calibration < 0.05
+    assert not plan(costs, acc, 8, 4, pipelined=True, batched=False).outcomes
+    assert acc.scaled(32.0).bonus_calibration == pytest.approx(
+        (acc.bonus_hits * acc.scaled(32.0).bonus_expected / acc.bonus_expected + 2.0)
+        / (acc.scaled(32.0).bonus_expected + 2.0))
+
+
 @pytest.mark.parametrize("alpha,depth", [(0.8, 4), (0.5, 3), (0.9, 8)])
 def test_expected_tokens_of_a_chain_is_the_closed_form(alpha: float, depth: int) -> None:
     e = expected_tokens(topology(depth, depth), rates(_acceptance(alpha, n=1e9)))

@@ -238,13 +238,14 @@ class DraftAhead:
         self.steps = 0
         self.hits = 0
         self.predrafts = 0
-        self.plan: Plan | None = None  # for the step after the tree last sent
-        self._lock = threading.Lock()
+        self._next: Plan | None = None  # planned for the step after the tree last sent (lazily: `plan`)
+        self._caps = (0, 0)  # the (budget, depth) caps that plan is for
+        self._lock = threading.RLock()  # reentrant: `plan` is planned under it on first use
         self._tree: DraftTree | None = None
         self._path: list[int] = []  # H: the main path's tokens of the tree last sent
         self._predrafts: dict[tuple[int, ...], Predraft] = {}  # H[:k] -> P_k (never replaced: it may be out)
         self._fresh: list[Predraft] = []  # made since the last take_fresh()
-        self._todo: list[int] = []  # k of the predrafts still to make for the tree last sent
+        self._todo: list[int] = []  # k of the predrafts still to make for the tree last sent (once planned)
         self._held = 0  # tokens of H the session holds beyond `position`
         self._closed = False
         self._sent_at = 0.0
@@ -278,6 +279,8 @@ class DraftAhead:
             if took and tree is None:
                 raise ValueError(f"took_predraft: no predraft of step {step} has a tree for "
                                  f"{len(accepted)} accepted tokens and bonus {bonus}")
+            if pred is not None:
+                self._observe_bonus(accepted, pred, tree is not None)
             self._measure(accepted, time.perf_counter() if arrived_at is None else arrived_at, verify_s)
             if pred is not None and self._held >= len(accepted):
                 # 1. the session holds the accepted path (a feature drafter holds it with
@@ -321,10 +324,23 @@ class DraftAhead:
         return hasattr(self.session, "draft_many")
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan for the step after the tree last sent: its shape (what a fresh draft at its
+        commit uses) and the outcomes of that tree to predraft. Made on first use, not when the
+        tree goes out: a service sends the tree first, and a pipelined one plans while the verifier
+        checks it (a plan weighs every shape, outcome and bonus count: not free in Python)."""
+        with self._lock:
+            if self._next is None and self._tree is not None:
+                self._next = self._plan(*self._caps)
+                self._todo = self._outcomes(self._next) if self.pipelined and self._tree.tokens else []
+            return self._next
+
+    @property
     def wants_predraft(self) -> bool:
-        if not self.pipelined or self._closed or self._tree is None:
-            return False
-        return bool(self._todo) or (not self._tree.tokens and self._behind() > 0)
+        with self._lock:
+            if not self.pipelined or self._closed or self._tree is None:
+                return False
+            return bool(self.plan and self._todo) or (not self._tree.tokens and self._behind() > 0)
 
     def predraft(self) -> bool:
         """One unit of predrafting for the tree last sent (one planned outcome, or every one at
@@ -417,6 +433,17 @@ class DraftAhead:
             fit.add((1.0, 1.0 + len(self._tree)), verify_s)
             self.costs.add_link(arrived - self._sent_at - verify_s)
 
+    def _observe_bonus(self, accepted: list[int], pred: "Predraft", hit: bool) -> None:
+        """The outcome of a predraft came: was the bonus among its candidates, against what the
+        planner's `bonus_hit` predicted for it (before this step's acceptance is counted)."""
+        k = len(accepted)
+        after = len(self._children_on_path(k))
+        candidates = len(children_of(pred.tree).get(ROOT, []))
+        expected = planner.bonus_hit(planner.rates(self.acceptance), k + 1, after, candidates)
+        for acc in (self.acceptance, self.recent):
+            if acc is not None:
+                acc.observe_bonus(expected, hit)
+
     def _behind(self) -> int:
         """Committed tokens the draft session has not fed yet (its next call feeds them first)."""
         return getattr(self.session, "behind", 0)
@@ -441,8 +468,10 @@ class DraftAhead:
         return [self._tree.tokens[c] for c in children_of(self._tree)[node]]
 
     def _draft_fresh(self, budget: int, depth: int) -> DraftTree:
-        """A tree for the next step drafted now, of the shape planned for it (within the caps)."""
-        p = self._plan(budget, depth)
+        """A tree for the next step drafted now, of the shape planned for it (within the caps): the
+        plan its predrafts were made for, unless the caps changed (or no tree was sent yet)."""
+        p = self.plan if self._tree is not None and self._caps == (budget, depth) else None
+        p = p or self._plan(budget, depth)
         if p.budget == 0:  # not speculating is predicted faster: the verifier's one-row step
             return DraftTree.empty()
         behind = self._behind()
@@ -459,8 +488,7 @@ class DraftAhead:
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
         self._fresh = []
-        self.plan = self._plan(budget, depth)
-        self._todo = self._outcomes(self.plan) if self.pipelined and tree.tokens else []
+        self._next, self._caps, self._todo = None, (budget, depth), []
         self._sent_at = time.perf_counter()
         self._overlapped = False  # whether a predraft ran while this tree was being verified
         return StepTree(self.step, self.position, tree, predrafted)
