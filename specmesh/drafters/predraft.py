@@ -470,8 +470,7 @@ class DraftAhead:
     def _draft_fresh(self, budget: int, depth: int) -> DraftTree:
         """A tree for the next step drafted now, of the shape planned for it (within the caps): the
         plan its predrafts were made for, unless the caps changed (or no tree was sent yet)."""
-        p = self.plan if self._tree is not None and self._caps == (budget, depth) else None
-        p = p or self._plan(budget, depth)
+        p = (self.plan if self._caps == (budget, depth) else None) or self._plan(budget, depth)
         if p.budget == 0:  # not speculating is predicted faster: the verifier's one-row step
             return DraftTree.empty()
         behind = self._behind()
