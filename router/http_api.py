@@ -14,10 +14,21 @@ Errors are OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}) w
 Every request field is checked at this edge: unknown fields, wrong types, integers past what the
 field carries, strings that are not valid Unicode, unknown message roles or message fields and JSON
 nested too deep each get a 400 naming the field. OpenAI fields specmesh does not implement (n,
-best_of, echo, suffix, logprobs, top_logprobs, presence/frequency_penalty, logit_bias,
-response_format, tools, functions, tool_choice, parallel_tool_calls) are accepted only at the value
-that changes nothing (n = 1, penalties 0, ...), refused otherwise; `top_p: 0` is refused (the
+best_of, suffix, response_format, tools, functions, tool_choice, parallel_tool_calls) are accepted
+only at the value that changes nothing (n = 1, ...), refused otherwise; `top_p: 0` is refused (the
 narrowest nucleus is not expressible as the proto's unset 0).
+
+Penalties (specmesh.sampling.Penalizer; part of the target distribution, so output stays lossless
+under speculation): OpenAI's `presence_penalty`, `frequency_penalty` (over this request's output)
+and `logit_bias`, vLLM's `repetition_penalty` (over prompt and output) and `min_tokens`.
+
+Log-probabilities, in OpenAI's shapes, streaming and not: chat `logprobs: true` + `top_logprobs`
+(0..20) -> `choices[].logprobs.content`; completions `logprobs: N` (0..20 alternatives; OpenAI caps
+it at 5, vLLM at 20) -> `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`, and with `echo:
+true` the prompt's text and its tokens' logprobs first (the first prompt token's are null). The
+values are the target's raw log-probabilities (log_softmax of its logits, before temperature,
+top-k and top-p: vLLM's default), from the verification forward that produced each token. A
+request with echo and logprobs prefills its whole prompt (no KV reuse of a session's prefix).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from google.protobuf.json_format import MessageToDict
 
 from router.errors import Kind, RouterError, invalid
 from router.turns import Delta, Done, Router, TurnRequest
+from specmesh.logprobs import MAX_TOP_LOGPROBS
 from specmesh.v1 import common_pb2, verifier_pb2
 
 ROUTER_KEY = web.AppKey("router", Router)
@@ -49,30 +61,22 @@ MESSAGE_FIELDS = ("role", "content")
 # Every field each endpoint honours; any other is refused with a 400 naming it, never ignored.
 # OpenAI fields specmesh does not implement are accepted only at the value that changes nothing.
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "speculation", "user", "stream", "stream_options"}
-ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt"},
-                   "chat": HONOURED | {"messages", "max_completion_tokens"}}
+            "ignore_eos", "speculation", "user", "stream", "stream_options", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt", "logprobs", "echo"},
+                   "chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
+LOGPROB_FLOOR = -9999.0  # a probability that underflowed to 0: JSON has no -Infinity (vLLM's choice too)
 
 
 def _one(v) -> bool:
     return v is None or (v == 1 and not isinstance(v, bool))
 
 
-def _zero(v) -> bool:
-    return v is None or (v == 0 and not isinstance(v, bool))
-
-
 BOTH = ("completions", "chat")
 NEUTRAL_ONLY = {  # field -> (endpoints, the value accepted as said in the 400, whether a value is it)
     "n": (BOTH, "1", _one),
     "best_of": (("completions",), "1", _one),
-    "echo": (("completions",), "false", lambda v: v is None or v is False),
     "suffix": (("completions",), '""', lambda v: v is None or v == ""),
-    "logprobs": (BOTH, "false or null", lambda v: v is None or v is False),
-    "top_logprobs": (("chat",), "null", lambda v: v is None),
-    "presence_penalty": (BOTH, "0", _zero),
-    "frequency_penalty": (BOTH, "0", _zero),
-    "logit_bias": (BOTH, "{}", lambda v: v is None or v == {}),
     "response_format": (("chat",), '{"type": "text"}', lambda v: v is None or v == {"type": "text"}),
     "tools": (("chat",), "[]", lambda v: v is None or v == []),
     "functions": (("chat",), "[]", lambda v: v is None or v == []),
@@ -152,6 +156,23 @@ def _speculation(body: dict) -> verifier_pb2.SpeculationOptions:
     return verifier_pb2.SpeculationOptions(**spec)
 
 
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: {"token id": bias}; the ids as strings (JSON keys) or ints."""
+    bias = _field(body, "logit_bias", dict, {})
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"key {key!r} is not a token id") from None
+        if not 0 <= token <= INT32_MAX:
+            raise invalid("logit_bias", f"token id {token} outside [0, {INT32_MAX}]")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise invalid("logit_bias", f"token {token}: bias must be a finite number, got {value!r}")
+        out[token] = float(value)
+    return out
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -228,7 +249,8 @@ class OpenAIApi:
         return body, key
 
     def _turn(self, request: web.Request, body: dict, key: str, ids: list[int], default_max_tokens: int,
-              max_tokens_field: str = "max_tokens") -> TurnRequest:
+              max_tokens_field: str = "max_tokens", logprobs: int | None = None,
+              prompt_logprobs: bool = False) -> TurnRequest:
         r = self.router
         field = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
         max_tokens = _field(body, field, int, None)
@@ -246,8 +268,20 @@ class OpenAIApi:
         seed = _int(body, "seed", 0, UINT64_MAX, None)
         if seed is not None:
             sampling.seed = seed
+        # penalties: types here, ranges by the verifier (its 400 names the field too)
+        sampling.presence_penalty = _number(body, "presence_penalty", 0.0)
+        sampling.frequency_penalty = _number(body, "frequency_penalty", 0.0)
+        repetition = _number(body, "repetition_penalty", 1.0)
+        if repetition <= 0:  # 0 would read as unset (1.0) on the wire
+            raise invalid("repetition_penalty", f"must be > 0, got {repetition}")
+        sampling.repetition_penalty = repetition
+        sampling.logit_bias.update(_logit_bias(body))
+        sampling.min_tokens = _int(body, "min_tokens", 0, max_tokens, 0)
         template = verifier_pb2.GenerateRequest(sampling=sampling, stop=stops, stop_token_ids=stop_ids,
-                                                ignore_eos=ignore_eos, speculation=_speculation(body))
+                                                ignore_eos=ignore_eos, speculation=_speculation(body),
+                                                prompt_logprobs=prompt_logprobs)
+        if logprobs is not None:
+            template.logprobs = logprobs
         return TurnRequest(session_id=session_id, ids=ids, max_tokens=max_tokens,
                            stops=r.stops(stops, stop_ids, ignore_eos), template=template, full_context=True,
                            key_id=key)
@@ -262,8 +296,14 @@ class OpenAIApi:
             ids = await self.router.encode(_text(prompt, "prompt"))
         else:
             ids = _token_list(prompt, "prompt")
-        turn = self._turn(request, body, key, ids, self.router.cfg.default_max_tokens_http)
-        return await self._respond(request, body, turn, chat=False)
+        logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+        echo = bool(_field(body, "echo", bool, False))
+        turn = self._turn(request, body, key, ids, self.router.cfg.default_max_tokens_http, logprobs=logprobs,
+                          prompt_logprobs=echo and logprobs is not None)
+        echoed = None
+        if echo:
+            echoed = prompt if isinstance(prompt, str) else self.router.decode(ids)
+        return await self._respond(request, body, turn, chat=False, echo=echoed)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body, key = await self._body(request, "chat")
@@ -271,10 +311,17 @@ class OpenAIApi:
         if not (isinstance(messages, list) and messages):
             raise invalid("messages", "a non-empty list of {role, content}")
         ids = await self.router.encode_chat([_message(m, i) for i, m in enumerate(messages)])
-        turn = self._turn(request, body, key, ids, self.router.cfg.max_tokens, "max_completion_tokens")
+        wanted = bool(_field(body, "logprobs", bool, False))
+        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None)
+        if top is not None and not wanted:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        turn = self._turn(request, body, key, ids, self.router.cfg.max_tokens, "max_completion_tokens",
+                          logprobs=(top or 0) if wanted else None)
         return await self._respond(request, body, turn, chat=True)
 
-    async def _respond(self, request: web.Request, body: dict, turn: TurnRequest, chat: bool) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, body: dict, turn: TurnRequest, chat: bool,
+                       echo: str | None = None) -> web.StreamResponse:
+        """The turn's answer, JSON or SSE; `echo`: completions' echoed prompt text (shown first)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.router.model_name}
@@ -293,12 +340,17 @@ class OpenAIApi:
                 if e.code == "token_ids":  # the verifier's name for what this request sent as
                     e.code = "messages" if chat else "prompt"
                 raise
+            wanted = turn.template.HasField("logprobs")
+            shown = _Logprobs(self.router.pieces, chat)
             if not stream:
-                text, done = [], first
+                text, lps, done = [echo or ""], [], first
                 while isinstance(done, Delta):
+                    lps += done.prompt_logprobs or []
+                    lps += done.logprobs
                     text.append(done.text)
                     done = await anext(events)
-                choice = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
+                choice = {"index": 0, "finish_reason": done.finish_reason,
+                          "logprobs": shown.render(lps) if wanted else None}
                 choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat
                               else {"text": "".join(text)})
                 return web.json_response({**head, "choices": [choice], "usage": _usage(done),
@@ -319,10 +371,14 @@ class OpenAIApi:
                         if include_usage:
                             await _sse(resp, {**head, "choices": [], "usage": _usage(ev)})
                         break
-                    if ev.text:
-                        piece = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
-                        await _sse(resp, {**head, "choices": [{"index": 0, "logprobs": None, "finish_reason": None,
-                                                                **piece}]})
+                    text, lps = ev.text, ev.logprobs
+                    if echo is not None:  # the echoed prompt (with its logprobs, the first event's) comes first
+                        text, echo = echo + text, None
+                        lps = (ev.prompt_logprobs or []) + lps
+                    if text or lps:
+                        piece = {"delta": {"content": text}} if chat else {"text": text}
+                        await _sse(resp, {**head, "choices": [{"index": 0, "finish_reason": None, **piece,
+                                                                "logprobs": shown.render(lps) if wanted else None}]})
                     ev = await anext(events)
             except RouterError as e:
                 request[OUTCOME] = e.kind.value
@@ -349,6 +405,39 @@ class OpenAIApi:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.router.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+class _Logprobs:
+    """TokenLogprobs in OpenAI's shapes: chat's `{"content": [...]}`, completions' parallel lists
+    (`text_offset` counts characters of the tokens' texts from the choice's start, across the
+    chunks of a stream)."""
+
+    def __init__(self, pieces, chat: bool) -> None:
+        self.pieces, self.chat, self.offset = pieces, chat, 0
+
+    def render(self, lps: list[verifier_pb2.TokenLogprob]) -> dict:
+        if self.chat:
+            return {"content": [self._entry(lp.token_id, lp.logprob) | {"top_logprobs": [
+                self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]} for lp in lps], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            text = self.pieces(lp.token_id)[0]
+            known = lp.HasField("logprob")
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_floor(lp.logprob) if known else None)
+            out["top_logprobs"].append({self.pieces(i)[0]: _floor(v) for i, v in zip(lp.top_ids, lp.top_logprobs)}
+                                       if known else None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self.pieces(token_id)
+        return {"token": text, "logprob": _floor(logprob), "bytes": raw}
+
+
+def _floor(logprob: float) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
 
 
 def _usage(done: Done) -> dict:

@@ -39,13 +39,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise invalid("drafter_address", "set by the router, not by clients")
         if request.HasField("history"):
             raise invalid("history", "set by the router, not by clients")
+        if request.resumed_output_tokens:
+            raise invalid("resumed_output_tokens", "set by the router, not by clients")
         kind = request.WhichOneof("input")
         ids = list(request.token_ids.ids) if kind == "token_ids" else []
         if kind == "text":
             ids = await r.encode(request.text)
         template = verifier_pb2.GenerateRequest(
             sampling=request.sampling, stop=request.stop, stop_token_ids=request.stop_token_ids,
-            ignore_eos=request.ignore_eos, speculation=request.speculation)
+            ignore_eos=request.ignore_eos, speculation=request.speculation, prompt_logprobs=request.prompt_logprobs)
+        if request.HasField("logprobs"):
+            template.logprobs = request.logprobs
         remaining = context.time_remaining()
         return TurnRequest(
             session_id=session_id, ids=ids, max_tokens=request.max_tokens,
@@ -58,7 +62,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             turn = await self.to_turn(request, context)
             async for ev in self.router.run(turn):
                 if isinstance(ev, Delta):
-                    yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=ev.token_ids, text=ev.text))
+                    yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(
+                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs or []))
                 else:
                     yield verifier_pb2.GenerateResponse(complete=verifier_pb2.Complete(
                         finish_reason=ev.finish_reason,

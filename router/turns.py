@@ -38,7 +38,7 @@ from router.errors import Kind, RouterError, client_fault, field_of, invalid
 from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
 from router.state import RouterState, StateUnavailable
-from specmesh.text import Stops, TextStream, first_stop
+from specmesh.text import Stops, TextStream, TokenPieces, first_stop
 from specmesh.tls import peer_channel
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -86,6 +86,8 @@ class TurnRequest:
 class Delta:
     token_ids: list[int]
     text: str
+    logprobs: list[verifier_pb2.TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[verifier_pb2.TokenLogprob] | None = None  # the input's, once, before any token
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class _Turn:
     done: bool = False                   # Done yielded
     excluded: set[str] = field(default_factory=set)
     last_error: str = ""
+    prompt_logprobs_sent: bool = False   # a retry does not ask for (or pass on) them again
     t0: float = field(default_factory=time.monotonic)
 
     @property
@@ -134,6 +137,7 @@ class Router:
     def __init__(self, cfg: RouterConfig, state: RouterState, tokenizer, model_name: str,
                  metrics: Metrics | None = None) -> None:
         self.cfg, self.state, self.tokenizer, self.model_name = cfg, state, tokenizer, model_name
+        self.pieces = TokenPieces(tokenizer)  # token id -> (text, bytes), for logprobs
         self.metrics = metrics or Metrics()
         self.policy = get_policy(cfg.policy)
         self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
@@ -224,6 +228,8 @@ class Router:
                   history=_History.OK if not sid else _History.NONE)  # one-shot turns keep nothing
         if req.full_context and req.ids[: len(history)] != history:
             t.base, t.replace = [], True
+        elif req.full_context and req.template.prompt_logprobs:
+            t.base, t.replace = [], True  # every prompt token's logprob: the whole context is prefilled
         elif req.full_context:
             t.new = req.ids[len(history):]
         if t.context == 0:
@@ -301,7 +307,11 @@ class Router:
                     t.done = True
                     yield self._done(t, resp.complete, whole_turn=not resumed)
                     return
+                if resp.chunk.prompt_logprobs and not t.prompt_logprobs_sent:
+                    t.prompt_logprobs_sent = True
+                    yield Delta([], "", prompt_logprobs=list(resp.chunk.prompt_logprobs))
                 ids = list(resp.chunk.token_ids)
+                lps = list(resp.chunk.logprobs)
                 if t.finish is not None and ids:  # the verifier went past a stop it could not see
                     return
                 start = len(t.produced)
@@ -317,7 +327,7 @@ class Router:
                 if not start:
                     self.metrics.observe_ttft(time.monotonic() - t.t0)
                 self.metrics.tokens_generated += len(ids)
-                yield Delta(ids, t.text.push(ids))
+                yield Delta(ids, t.text.push(ids), lps[: len(ids)])
         except grpc.aio.AioRpcError as e:
             kind = client_fault(e.code())
             if kind is not None:
@@ -340,8 +350,11 @@ class Router:
         up.session_id = t.sid
         up.drafter_address = binding.drafter
         up.max_tokens = t.req.max_tokens - len(t.produced)
+        if t.produced or t.prompt_logprobs_sent:
+            up.prompt_logprobs = False  # the input's logprobs went out with the first attempt
         if t.produced:  # resume mid-turn: everything so far is history, nothing new
             up.history.ids.extend(t.base + t.new + t.produced)
+            up.resumed_output_tokens = len(t.produced)  # the turn's output so far, for its penalties
             up.token_ids.SetInParent()
         else:
             if t.sid:

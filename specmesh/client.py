@@ -7,6 +7,7 @@
             print(chunk.text, end="")
         print(stream.result.usage)           # Completion once the stream is exhausted
         out = c.complete([1, 2, 3], max_tokens=8)   # Completion(text, token_ids, finish_reason, usage, speculation)
+        c.complete("Hi", logprobs=2).logprobs  # TokenLogprob(token, logprob, top) per token: the target's
 
 - `prompt` is text (tokenized by the router) or token ids; with a `session_id` it is appended to
   the session (one turn), without one the request is one-shot.
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field, fields
 
 import grpc
 
+from specmesh.logprobs import TokenLogprob, logprob_from_pb
 from specmesh.tls import channel_credentials
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, verifier_pb2
 
@@ -58,6 +60,7 @@ class SpecmeshError(RuntimeError):
 class Chunk:
     token_ids: list[int]
     text: str  # text delta
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, with `logprobs=`
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Completion:
     finish_reason: str  # stop | length | cancelled
     usage: Usage = field(default_factory=Usage)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    # with `logprobs=`: the target's, one per token id (raw log_softmax of its logits)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with `prompt_logprobs=True`
 
 
 @dataclass(frozen=True)
@@ -101,15 +107,27 @@ class Model:
 def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, session_id: str = "",
-                  speculate: bool = True, budget: int = 0, depth: int = 0) -> verifier_pb2.GenerateRequest:
-    """The GenerateRequest of one turn (budget/depth 0 = the verifier's defaults)."""
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+                  speculate: bool = True, budget: int = 0, depth: int = 0, logprobs: int | None = None,
+                  prompt_logprobs: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+                  min_tokens: int = 0) -> verifier_pb2.GenerateRequest:
+    """The GenerateRequest of one turn (budget/depth 0 = the verifier's defaults). `logprobs`: the
+    target's log-probability of each generated token with this many alternatives (0..20; None =
+    none); `prompt_logprobs`: also of the prompt's tokens (needs `logprobs`). Penalties: as in
+    OpenAI's and vLLM's APIs (common.proto SamplingParams says the order)."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                         repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
+                                         min_tokens=min_tokens)
     if seed is not None:
         sampling.seed = seed
     req = verifier_pb2.GenerateRequest(
         session_id=session_id, sampling=sampling, max_tokens=max_tokens, stop=list(stop),
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        speculation=verifier_pb2.SpeculationOptions(disabled=not speculate, budget=budget, depth=depth))
+        speculation=verifier_pb2.SpeculationOptions(disabled=not speculate, budget=budget, depth=depth),
+        prompt_logprobs=prompt_logprobs)
+    if logprobs is not None:
+        req.logprobs = logprobs
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -117,11 +135,32 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     return req
 
 
-def _completion(complete: verifier_pb2.Complete, token_ids: list[int], texts: list[str]) -> Completion:
-    u = complete.usage
-    spec = SpeculationStats(**{f.name: getattr(complete.speculation, f.name) for f in fields(SpeculationStats)})
-    return Completion("".join(texts), token_ids, complete.finish_reason,
-                      Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens), spec)
+class _Collected:
+    """What a stream received so far: the Completion's parts, and each chunk as the SDK's Chunk."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
+
+    def chunk(self, msg: verifier_pb2.Chunk) -> Chunk | None:
+        """The chunk for the caller (None: one carrying only the prompt's logprobs)."""
+        self.prompt_logprobs += [logprob_from_pb(lp) for lp in msg.prompt_logprobs]
+        if not msg.token_ids and not msg.text:
+            return None
+        lps = [logprob_from_pb(lp) for lp in msg.logprobs]
+        self.ids.extend(msg.token_ids)
+        self.texts.append(msg.text)
+        self.logprobs += lps
+        return Chunk(list(msg.token_ids), msg.text, lps)
+
+    def completion(self, complete: verifier_pb2.Complete) -> Completion:
+        u = complete.usage
+        spec = SpeculationStats(**{f.name: getattr(complete.speculation, f.name) for f in fields(SpeculationStats)})
+        return Completion("".join(self.texts), self.ids, complete.finish_reason,
+                          Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens), spec,
+                          self.logprobs, self.prompt_logprobs)
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -218,7 +257,8 @@ class Client(_Base):
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None,
                  **params) -> Stream:
         """Stream one turn. `params`: max_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, session_id, speculate, budget, depth (see build_request)."""
+        stop_token_ids, ignore_eos, session_id, speculate, budget, depth, logprobs, prompt_logprobs,
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens (see build_request)."""
         return Stream(self, build_request(prompt, **params), timeout or self.timeout, api_key or self.api_key)
 
     def complete(self, prompt: str | Sequence[int], **kw) -> Completion:
@@ -230,8 +270,7 @@ class Client(_Base):
 
     def _stream(self, box: dict, request, timeout: float | None, api_key: str | None) -> Iterator[Chunk]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        ids: list[int] = []
-        texts: list[str] = []
+        got = _Collected()
         attempt = 0
         while True:
             stub = self._stubs[self._pick()]
@@ -241,11 +280,11 @@ class Client(_Base):
                 for resp in call:
                     received = True
                     if resp.HasField("chunk"):
-                        ids.extend(resp.chunk.token_ids)
-                        texts.append(resp.chunk.text)
-                        yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+                        chunk = got.chunk(resp.chunk)
+                        if chunk is not None:
+                            yield chunk
                     else:
-                        box["result"] = _completion(resp.complete, ids, texts)
+                        box["result"] = got.completion(resp.complete)
                 return
             except grpc.RpcError as e:
                 wait = None if received else _may_retry(e, attempt, self.retries, deadline)
@@ -343,8 +382,7 @@ class AsyncClient(_Base):
     async def _stream(self, box: dict, request, timeout: float | None,
                       api_key: str | None) -> AsyncIterator[Chunk]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        ids: list[int] = []
-        texts: list[str] = []
+        got = _Collected()
         attempt = 0
         while True:
             stub = self._stubs[self._pick()]
@@ -354,11 +392,11 @@ class AsyncClient(_Base):
                 async for resp in call:
                     received = True
                     if resp.HasField("chunk"):
-                        ids.extend(resp.chunk.token_ids)
-                        texts.append(resp.chunk.text)
-                        yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+                        chunk = got.chunk(resp.chunk)
+                        if chunk is not None:
+                            yield chunk
                     else:
-                        box["result"] = _completion(resp.complete, ids, texts)
+                        box["result"] = got.completion(resp.complete)
                 return
             except grpc.aio.AioRpcError as e:
                 wait = None if received else _may_retry(e, attempt, self.retries, deadline)

@@ -19,11 +19,19 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
         top_k=int(msg.top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None,
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0.0 else 1.0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
+        min_tokens=int(msg.min_tokens),
     )
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                    repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
+                                    min_tokens=p.min_tokens)
     if p.seed is not None:
         msg.seed = p.seed
     return msg

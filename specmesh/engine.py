@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from specmesh.drafters.base import Drafter, DraftSession, FeatureRows
 from specmesh.model import Transformer
-from specmesh.sampling import SamplingParams, VerifyResult, make_generator, verify_tree
+from specmesh.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
 from specmesh.text import first_stop
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
 
@@ -52,8 +53,15 @@ class SpecConfig:
             raise ValueError(f"depth: must be in [1, {MAX_DEPTH}], got {self.depth}")
 
 
+def check_logprobs(logprobs: int | None, name: str = "logprobs") -> None:
+    """None (no log-probabilities) or the alternatives per token, 0 to MAX_TOP_LOGPROBS."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}] alternatives per token, got {logprobs}")
+
+
 class TargetSession:
-    def __init__(self, model: Transformer, prompt_ids: list[int], features: bool = False) -> None:
+    def __init__(self, model: Transformer, prompt_ids: list[int], features: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt: at least one token is required")
         vocab = model.config.vocab_size
@@ -67,7 +75,8 @@ class TargetSession:
         # fp16, len(tokens) - 1 rows: the state after each committed token but the pending one
         self._features = FeatureRows(model.config.hidden_size, len(prompt_ids) + 64,
                                      torch.float16) if features else None
-        self.extend(prompt_ids)
+        # with `prompt_logprobs` (alternatives per token): the prompt's TokenLogprobs, see `extend`
+        self.prompt_logprobs = self.extend(prompt_ids, prompt_logprobs)
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -85,24 +94,35 @@ class TargetSession:
         f = self.features
         return None if f is None else f[len(f) - count:]
 
-    def extend(self, new_ids: list[int]) -> None:
-        """Prefill new committed tokens (a prompt or a follow-up turn); only what is new."""
+    def extend(self, new_ids: list[int], logprobs: int | None = None) -> list[TokenLogprob] | None:
+        """Prefill new committed tokens (a prompt or a follow-up turn); only what is new. With
+        `logprobs` (alternatives per token), also return each new token's TokenLogprob under the
+        target given what precedes it (the first token of a session has none: logprob None)."""
         if not new_ids:
-            return
-        feed = ([self.pending] if self.pending >= 0 else []) + list(new_ids[:-1])
+            return [] if logprobs is not None else None
+        had_pending = self.pending >= 0
+        feed = ([self.pending] if had_pending else []) + list(new_ids[:-1])
+        lps = None if logprobs is None else [] if had_pending else [TokenLogprob(new_ids[0], None)]
         if feed:
             start = self.cache.length
             want = self._features is not None
             out = self.model(torch.tensor(feed), torch.arange(start, start + len(feed)), self.cache, start,
-                             logits_rows=None, hidden=want)
+                             logits_rows=None if logprobs is None else slice(None), hidden=want)
+            if logprobs is not None:
+                lps += token_logprobs(out[0] if want else out, list(new_ids[not had_pending:]), logprobs)
             if want:
                 self._keep_features(out[1])
             self.cache.commit(list(range(start, start + len(feed))))
         self.tokens.extend(new_ids)
         self.pending = new_ids[-1]
+        return lps
 
-    def step(self, tree: DraftTree, params: SamplingParams, generator: torch.Generator) -> tuple[VerifyResult, list[int]]:
-        """Verify one (already validated) tree; commit; return the result and the new tokens."""
+    def step(self, tree: DraftTree, params: SamplingParams, generator: torch.Generator,
+             logprobs: int | None = None, penalizer: Penalizer | None = None) -> tuple[VerifyResult, list[int]]:
+        """Verify one (already validated) tree; commit; return the result and the new tokens. With
+        `logprobs` (alternatives per token) the result carries the new tokens' TokenLogprobs, from
+        the rows of this same forward that verified them (raw: before `penalizer`, which shapes the
+        distribution the tree is verified against)."""
         model, cache = self.model, self.cache
         start = cache.length
         n = len(tree)
@@ -116,11 +136,15 @@ class TargetSession:
         want = self._features is not None
         out = model(toks, pos, cache, start, mask, hidden=want)
         logits = out[0] if want else out  # [1 + N, V]
-        result = verify_tree(tree, logits, params, generator)
+        shaped = logits if penalizer is None else penalizer(logits, tree.parents, tree.tokens)
+        result = verify_tree(tree, shaped, params, generator)
         cache.commit([start] + [start + 1 + i for i in result.accepted])
+        path = [0] + [1 + i for i in result.accepted]  # the rows that predicted the new tokens
         if want:
-            self._keep_features(out[1], [0] + [1 + i for i in result.accepted])
+            self._keep_features(out[1], path)
         new = result.tokens(tree)
+        if logprobs is not None:
+            result = replace(result, logprobs=token_logprobs(logits[path], new, logprobs))
         self.tokens.extend(new)
         self.pending = new[-1]
         return result, new
@@ -178,6 +202,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (eos, stop id or stop string) | "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when asked for
 
 
 @dataclass(frozen=True)
@@ -230,15 +255,21 @@ def run_turn(
     stop: StopConditions,
     decode: Callable[[list[int]], str] | None = None,
     result: GenerationResult | None = None,
+    logprobs: int | None = None,
+    resumed_output: int = 0,
 ) -> Iterator[list[int]]:
     """The speculation loop of one turn: draft, validate, verify, commit, stop. Yields the new
-    token ids of each step; fills `result`. Afterwards the target holds exactly the delivered
-    tokens (tokens past a stop or max_tokens are rolled back), so the next turn can extend it."""
+    token ids of each step; fills `result` (with `logprobs` alternatives per token: its
+    `logprobs`, one per token id). `resumed_output`: the target's last tokens that are this
+    turn's output already (a resumed turn: penalties count them). Afterwards the target holds
+    exactly the delivered tokens (tokens past a stop or max_tokens are rolled back), so the next
+    turn can extend it."""
     res = result if result is not None else GenerationResult()
     st = res.stats
     vocab = target.model.config.vocab_size
     out = res.token_ids
     base = len(target.tokens)
+    penalizer = Penalizer(params, vocab, target.tokens, stop.stop_ids, resumed_output) if params.penalised else None
     t0 = time.perf_counter()
     while True:
         # 1. draft
@@ -254,7 +285,9 @@ def run_turn(
                 tree = DraftTree.empty()
         # 2. verify and commit
         t = time.perf_counter()
-        verdict, new = target.step(tree, params, generator)
+        verdict, new = target.step(tree, params, generator, logprobs, penalizer)
+        if penalizer is not None:
+            penalizer.add(new)
         verify_s = time.perf_counter() - t
         st.verify_s += verify_s
         st.steps += 1
@@ -265,14 +298,16 @@ def run_turn(
         # 3. stop conditions
         before = len(out)
         out.extend(new)
+        if verdict.logprobs is not None:
+            res.logprobs.extend(verdict.logprobs)
         cut = first_stop(out, before, stop.stop_ids, stop.stop_strings, decode)
         if cut is not None and cut > stop.max_new_tokens:
             cut = None  # a stop past max_tokens (say, an EOS bonus token) was never generated
         if cut is not None:
-            del out[cut:]
+            del out[cut:], res.logprobs[cut:]
             res.finish_reason = "stop"
         elif len(out) >= stop.max_new_tokens:
-            del out[stop.max_new_tokens:]
+            del out[stop.max_new_tokens:], res.logprobs[stop.max_new_tokens:]
             res.finish_reason = "length"
         st.new_tokens = len(out)
         st.total_s = time.perf_counter() - t0
@@ -326,11 +361,15 @@ def generate_stream(
     spec: SpecConfig = SpecConfig(),
     decode: Callable[[list[int]], str] | None = None,
     result: GenerationResult | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[list[int]]:
-    """One-shot generation in this process. Yields new token ids step by step; fills `result`."""
+    """One-shot generation in this process. Yields new token ids step by step; fills `result`
+    (with `logprobs` alternatives per token, also its `logprobs`: see `run_turn`)."""
     params.validate()
+    params.check_vocab(model.config.vocab_size)
     stop.validate()
     spec.validate()
+    check_logprobs(logprobs)
     res = result if result is not None else GenerationResult()
     res.stats.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
@@ -340,7 +379,7 @@ def generate_stream(
     session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
     source = LocalDrafts(session, spec, params, generator) if session is not None else None
     try:
-        for chunk in run_turn(target, source, params, generator, stop, decode, res):
+        for chunk in run_turn(target, source, params, generator, stop, decode, res, logprobs):
             res.stats.total_s = time.perf_counter() - t0  # includes the prefill
             yield chunk
         res.stats.total_s = time.perf_counter() - t0
@@ -351,8 +390,8 @@ def generate_stream(
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, stop: StopConditions,
              drafter: Drafter | None = None, spec: SpecConfig = SpecConfig(),
-             decode: Callable[[list[int]], str] | None = None) -> GenerationResult:
+             decode: Callable[[list[int]], str] | None = None, logprobs: int | None = None) -> GenerationResult:
     res = GenerationResult()
-    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res):
+    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res, logprobs):
         pass
     return res

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.logprobs import TokenLogprob
 from specmesh.tree import ROOT, DraftTree, children_of
 
 MAX_TEMPERATURE = 100.0
@@ -34,16 +35,33 @@ MAX_SEED = 1 << 63  # exclusive
 RESIDUAL_EPS = 1e-12
 
 
+MAX_PENALTY = 2.0  # presence / frequency, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0  # per token, as OpenAI bounds it
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # (0, 1]; 1 = off
     top_k: int = 0  # 0 = off, else >= 1
     seed: int | None = None  # None = non-deterministic
+    # penalties (`Penalizer`): part of the target distribution, greedy or sampled
+    presence_penalty: float = 0.0  # minus this from the logit of a token already in the turn's output
+    frequency_penalty: float = 0.0  # minus this times its count in the turn's output
+    repetition_penalty: float = 1.0  # a token in the context or output: logit / this (> 0) or * this (< 0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    min_tokens: int = 0  # stop ids (EOS included) masked until the turn's output has this many tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> None:
         """Raise ValueError, message starting with the field name, if any field is bad."""
@@ -62,6 +80,105 @@ class SamplingParams:
         bad_seed = isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < MAX_SEED
         if s is not None and bad_seed:
             raise ValueError(f"seed: must be an int in [0, 2**63) or None, got {s!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
+                raise ValueError(f"{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 < r <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}], got {r!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias: token {token}: bias must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"min_tokens: must be an int >= 0, got {m!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias names tokens of the vocabulary."""
+        bad = next((t for t, _ in self.logit_bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} outside vocabulary [0, {vocab_size})")
+
+
+class Penalizer:
+    """A turn's penalties (SamplingParams) applied to the target's logits of one step's rows.
+
+    Each row of a tree's forward continues its own path: row 0 the committed tokens, row i + 1
+    also node i and its ancestors. A row's counts are the turn's output so far plus its path, so
+    every node is verified against the distribution target-only decoding would have used there,
+    and output stays lossless with respect to the penalised target. Order, as in vLLM: repetition
+    (context and output tokens), frequency and presence (output tokens), logit_bias, min_tokens
+    (the stop ids masked while the output is shorter). Logprobs stay raw (taken before this)."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, context: list[int], stop_ids: frozenset[int],
+                 output: int = 0) -> None:
+        """`context`: the committed tokens, whose last `output` are the turn's output already (a
+        turn resumed after a failover)."""
+        self.p = params
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # [V] of the turn's output so far
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [V] context and output
+        self.seen[torch.tensor(context, dtype=torch.long)] = True
+        self.produced = 0
+        self.bias = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32)
+            ids, values = zip(*params.logit_bias)
+            self.bias[torch.tensor(ids)] = torch.tensor(values, dtype=torch.float32)
+        self.stops = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        if output:
+            self.add(context[len(context) - output:])
+
+    def add(self, tokens: list[int]) -> None:
+        """Tokens the turn emitted (in order)."""
+        t = torch.tensor(tokens, dtype=torch.long)
+        self.counts.index_add_(0, t, torch.ones(len(tokens)))
+        self.seen[t] = True
+        self.produced += len(tokens)
+
+    def _penalise(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Repetition, frequency and presence on logits `x` with these counts / seen flags (same shape)."""
+        p = self.p
+        if p.repetition_penalty != 1.0:
+            x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+        if p.frequency_penalty:
+            x = x - p.frequency_penalty * counts
+        if p.presence_penalty:
+            x = x - p.presence_penalty * (counts > 0).to(x.dtype)
+        return x
+
+    def __call__(self, logits: torch.Tensor, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        """Penalised float32 logits [N+1, V] of a tree (parents, tokens) whose rows are `logits`."""
+        raw = logits.to(torch.float32)
+        x = self._penalise(raw, self.counts.expand_as(raw), self.seen.expand_as(raw))  # the committed part
+        # each row's own path: recompute its tokens' entries with the path's counts added
+        rows, cols, extra = [], [], []
+        depth = [0] * (len(tokens) + 1)
+        for i, parent in enumerate(parents):
+            depth[i + 1] = depth[parent + 1] + 1
+            path: dict[int, int] = {}
+            node = i
+            while node != ROOT:
+                path[tokens[node]] = path.get(tokens[node], 0) + 1
+                node = parents[node]
+            for tok, n in path.items():
+                rows.append(i + 1), cols.append(tok), extra.append(n)
+        if rows:
+            r, c = torch.tensor(rows), torch.tensor(cols)
+            counts = self.counts[c] + torch.tensor(extra, dtype=torch.float32)
+            x = x.clone() if x is raw else x
+            x[r, c] = self._penalise(raw[r, c], counts, torch.ones_like(c, dtype=torch.bool))
+        if self.bias is not None:
+            x = x + self.bias
+        if self.p.min_tokens and len(self.stops):
+            short = torch.tensor([self.produced + d < self.p.min_tokens for d in depth])  # [N+1]
+            if bool(short.any()):
+                x = x.clone() if x is raw else x
+                x[short.nonzero()[:, 0][:, None], self.stops[None, :]] = -math.inf
+        return x
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
@@ -126,10 +243,24 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """`tokens[i]`'s TokenLogprob under logits row i, with `top` alternatives. logits: [T, V]."""
+    assert logits.dim() == 2 and logits.shape[0] == len(tokens), (tuple(logits.shape), len(tokens))
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [T, V]
+    chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [T]
+    if not top:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)  # [T, top]
+    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist())]
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     accepted: list[int]  # node indices of the accepted path, root side first
     bonus: int  # token id sampled (or argmax'd) from the target after the path
+    logprobs: list[TokenLogprob] | None = None  # of `tokens(tree)`, when the step was asked for them
 
     def tokens(self, tree: DraftTree) -> list[int]:
         """The new tokens this step produced: accepted tokens, then the bonus."""

@@ -111,3 +111,41 @@ class TextStream:
             return ""
         delta, self.shown = text[len(self.shown):], text
         return delta
+
+
+class TokenPieces:
+    """Each token's own text and bytes, as OpenAI's logprobs show them (`token`, `bytes`).
+
+    Byte-level BPE tokenizers (GPT-2 style: SmolLM2, Qwen, Llama 3) spell a token's bytes as
+    printable characters; those map back to the exact bytes, so a token holding half of a UTF-8
+    character gets its real bytes, and its `token` reads "bytes:\\xe2\\x80" as in OpenAI's API.
+    Other tokenizers: the token decoded alone, as UTF-8."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._bytes_of = None
+        if type(decoder).__name__ == "ByteLevel":
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._bytes_of = {c: b for b, c in bytes_to_unicode().items()}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._piece(token_id)
+        return hit
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        spelled = self.tokenizer.convert_ids_to_tokens(token_id)
+        table = self._bytes_of
+        if table is not None and spelled and all(c in table for c in spelled):
+            raw = bytes(table[c] for c in spelled)
+        else:
+            raw = self.tokenizer.decode([token_id]).encode("utf-8")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text, list(raw)

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import grpc
 
 from specmesh.convert import sampling_from_pb
-from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions
+from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions, check_logprobs
+from specmesh.logprobs import logprob_to_pb
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.sessions import SessionBusyError
@@ -45,6 +46,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             new_ids = self.v.tokenizer.encode(req.text, add_special_tokens=False)
         params = sampling_from_pb(req.sampling)
         params.validate()
+        params.check_vocab(self.v.vocab_size)
         if req.max_tokens == 0 or req.max_tokens > cfg.max_new_tokens:
             raise ValueError(f"max_tokens: must be in [1, {cfg.max_new_tokens}], got {req.max_tokens}")
         if len(req.stop) > MAX_STOP_STRINGS:
@@ -65,6 +67,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise ValueError(f"speculation.depth: must be in [1, {MAX_DEPTH}], got {spec.depth}")
         if o.draft_deadline_s < 0 or o.draft_deadline_s > 60:
             raise ValueError(f"speculation.draft_deadline_s: must be in [0, 60], got {o.draft_deadline_s}")
+        logprobs = req.logprobs if req.HasField("logprobs") else None
+        check_logprobs(logprobs)
+        if req.prompt_logprobs and logprobs is None:
+            raise ValueError("prompt_logprobs: needs logprobs (the alternatives per token) set")
         return Turn(
             session_id=req.session_id, new_ids=new_ids, params=params, stop=stop,
             drafter=req.drafter_address or cfg.drafter, spec=spec,
@@ -75,6 +81,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,
             derive_deadline=not o.draft_deadline_s and params.seed is None,
             history=list(req.history.ids) if req.HasField("history") else None,
+            logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, resumed_output=req.resumed_output_tokens,
         )
 
     def Generate(self, request, context):
@@ -84,7 +91,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for chunks in run_ahead(self.v.run(turn, context.is_active, out)):
                 ids = [t for c in chunks for t in c.token_ids]
                 text = "".join(c.text for c in chunks)
-                yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=ids, text=text))
+                lps = [logprob_to_pb(lp) for c in chunks for lp in c.logprobs]
+                prompt = [logprob_to_pb(lp) for c in chunks for lp in c.prompt_logprobs]
+                yield verifier_pb2.GenerateResponse(chunk=verifier_pb2.Chunk(token_ids=ids, text=text, logprobs=lps,
+                                                                             prompt_logprobs=prompt))
         except (ValueError, SessionBusyError, TPGroupError) as e:
             context.abort(_status_for(e), str(e))
         s = out.result.stats

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specmesh.batching import BatchingTarget
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, measure_steps, run_turn
+from specmesh.logprobs import TokenLogprob
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.text import TextStream
 from verifier_service.config import VerifierConfig
@@ -32,6 +33,9 @@ class Turn:
     deadline_s: float                # the longest wait for a tree
     history: list[int] | None = None  # full history to rebuild from (failover)
     derive_deadline: bool = False    # wait only as long as the drafter's measured answers make likely
+    logprobs: int | None = None      # alternatives per token of the generated tokens' logprobs; None = none
+    prompt_logprobs: bool = False    # also the input tokens' (needs logprobs)
+    resumed_output: int = 0          # the history's last tokens that are this turn's output (failover)
 
 
 @dataclass
@@ -48,6 +52,8 @@ class Outcome:
 class Chunk:
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)         # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the input tokens, once
 
 
 class Verifier:
@@ -81,20 +87,28 @@ class Verifier:
             pass  # the held session's length is checked below
         elif context_len == 0:
             raise ValueError("input: a turn needs at least one token")
+        if turn.resumed_output > len(turn.history or []):
+            raise ValueError(f"resumed_output_tokens: {turn.resumed_output} exceed the history's "
+                             f"{len(turn.history or [])} tokens")
         if context_len > self.cfg.max_context_tokens:
             raise ValueError(f"input: {context_len} tokens exceed max_context_tokens {self.cfg.max_context_tokens}")
         sid = turn.session_id or f"oneshot-{uuid.uuid4().hex}"
         session = self.sessions.acquire(sid)
         try:
-            target = self._place(session, turn, out)
+            target, prompt_lps = self._place(session, turn, out)
+            if prompt_lps:
+                yield Chunk([], "", prompt_logprobs=prompt_lps)
             yield from self._speculate(session, sid, target, turn, is_active, out)
         finally:
             self.sessions.release(session)
             if not turn.session_id:
                 self.sessions.drop(sid)
 
-    def _place(self, session, turn: Turn, out: Outcome) -> TargetSession:
+    def _place(self, session, turn: Turn, out: Outcome) -> tuple[TargetSession, list[TokenLogprob] | None]:
+        """The session's target holding the turn's context, and the input tokens' logprobs when
+        the turn asked for them."""
         # 1. reuse the held KV cache where it matches, else rebuild from the history
+        lps = turn.logprobs if turn.prompt_logprobs else None
         t = session.target
         if turn.history is not None and (t is None or t.tokens != turn.history):
             t = session.target = None
@@ -103,15 +117,17 @@ class Verifier:
             if not context:
                 raise ValueError("input: unknown session and no tokens to start it")
             # the target keeps its features for a feature drafter (EAGLE-style) from the start
-            session.target = TargetSession(self.model, context, features=self._feature_dim(turn) > 0)
+            session.target = TargetSession(self.model, context, features=self._feature_dim(turn) > 0,
+                                           prompt_logprobs=lps)
             out.prompt_tokens = len(context)
-            return session.target
+            prompt = session.target.prompt_logprobs
+            return session.target, None if prompt is None else prompt[len(context) - len(turn.new_ids):]
         if len(t.tokens) + len(turn.new_ids) > self.cfg.max_context_tokens:
             raise ValueError(f"input: session would hold more than max_context_tokens {self.cfg.max_context_tokens}")
         out.cached_prompt_tokens = len(t.tokens)
-        t.extend(turn.new_ids)
+        prompt = t.extend(turn.new_ids, lps)
         out.prompt_tokens = len(t.tokens)
-        return t
+        return t, prompt
 
     def _link(self, turn: Turn) -> DrafterLink | None:
         return self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
@@ -151,8 +167,10 @@ class Verifier:
         text = TextStream(self.decode, turn.stop.stop_strings)  # decodes each step's tokens, not the whole text
         t0 = time.perf_counter()
         try:
-            for ids in run_turn(target, source, params, generator, turn.stop, self.decode, res):
-                yield Chunk(ids, text.push(ids))
+            for ids in run_turn(target, source, params, generator, turn.stop, self.decode, res, turn.logprobs,
+                                turn.resumed_output):
+                end = len(res.token_ids)  # `ids` are the last tokens of the turn so far
+                yield Chunk(ids, text.push(ids), res.logprobs[end - len(ids):end] if turn.logprobs is not None else [])
                 if not is_active():
                     res.finish_reason = "cancelled"
                     break

@@ -32,8 +32,8 @@ class RouterStub:
 
     Generate takes the verifier's GenerateRequest and streams its GenerateResponse unchanged in
     shape: chunks (token ids + text delta), then one Complete. A turn's `input` is appended to the
-    session (empty `session_id` = one-shot). The router chooses `drafter_address` and `history`
-    itself: a client request that sets either is INVALID_ARGUMENT. Text is decoded by the router,
+    session (empty `session_id` = one-shot). The router chooses `drafter_address`, `history`
+    and `resumed_output_tokens` itself: a client request that sets one is INVALID_ARGUMENT. Text is decoded by the router,
     so a turn that moved to another verifier mid-stream still reads as one text.
     Metadata: `authorization: Bearer KEY` when the router has API keys; `x-session-id` is used when
     `session_id` is empty.
@@ -68,8 +68,8 @@ class RouterServicer:
 
     Generate takes the verifier's GenerateRequest and streams its GenerateResponse unchanged in
     shape: chunks (token ids + text delta), then one Complete. A turn's `input` is appended to the
-    session (empty `session_id` = one-shot). The router chooses `drafter_address` and `history`
-    itself: a client request that sets either is INVALID_ARGUMENT. Text is decoded by the router,
+    session (empty `session_id` = one-shot). The router chooses `drafter_address`, `history`
+    and `resumed_output_tokens` itself: a client request that sets one is INVALID_ARGUMENT. Text is decoded by the router,
     so a turn that moved to another verifier mid-stream still reads as one text.
     Metadata: `authorization: Bearer KEY` when the router has API keys; `x-session-id` is used when
     `session_id` is empty.
@@ -126,8 +126,8 @@ class Router:
 
     Generate takes the verifier's GenerateRequest and streams its GenerateResponse unchanged in
     shape: chunks (token ids + text delta), then one Complete. A turn's `input` is appended to the
-    session (empty `session_id` = one-shot). The router chooses `drafter_address` and `history`
-    itself: a client request that sets either is INVALID_ARGUMENT. Text is decoded by the router,
+    session (empty `session_id` = one-shot). The router chooses `drafter_address`, `history`
+    and `resumed_output_tokens` itself: a client request that sets one is INVALID_ARGUMENT. Text is decoded by the router,
     so a turn that moved to another verifier mid-stream still reads as one text.
     Metadata: `authorization: Bearer KEY` when the router has API keys; `x-session-id` is used when
     `session_id` is empty.
