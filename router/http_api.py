@@ -14,13 +14,17 @@ Errors are OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}) w
 Every request field is checked at this edge: unknown fields, wrong types, integers past what the
 field carries, strings that are not valid Unicode, unknown message roles or message fields and JSON
 nested too deep each get a 400 naming the field. OpenAI fields specmesh does not implement (n,
-best_of, suffix, response_format, tools, functions, tool_choice, parallel_tool_calls) are accepted
-only at the value that changes nothing (n = 1, ...), refused otherwise; `top_p: 0` is refused (the
+best_of, suffix, tools, functions, tool_choice, parallel_tool_calls) are accepted only at the
+value that changes nothing (n = 1, ...), refused otherwise; `top_p: 0` is refused (the
 narrowest nucleus is not expressible as the proto's unset 0).
 
 Penalties (specmesh.sampling.Penalizer; part of the target distribution, so output stays lossless
 under speculation): OpenAI's `presence_penalty`, `frequency_penalty` (over this request's output)
 and `logit_bias`, vLLM's `repetition_penalty` (over prompt and output) and `min_tokens`.
+
+Structured outputs (specmesh.grammar, llguidance): OpenAI's `response_format` (json_object,
+json_schema) on chat, vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar"}, the
+spelling of vLLM >= 0.10; "grammar" is Lark) on both endpoints.
 
 Log-probabilities, in OpenAI's shapes, streaming and not: chat `logprobs: true` + `top_logprobs`
 (0..20) -> `choices[].logprobs.content`; completions `logprobs: N` (0..20 alternatives; OpenAI caps
@@ -63,8 +67,9 @@ MESSAGE_FIELDS = ("role", "content")
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
             "ignore_eos", "speculation", "user", "stream", "stream_options", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
-ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt", "logprobs", "echo"},
-                   "chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
+ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt", "logprobs", "echo", "structured_outputs"},
+                   "chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                       "response_format", "structured_outputs"}}
 LOGPROB_FLOOR = -9999.0  # a probability that underflowed to 0: JSON has no -Infinity (vLLM's choice too)
 
 
@@ -77,7 +82,6 @@ NEUTRAL_ONLY = {  # field -> (endpoints, the value accepted as said in the 400, 
     "n": (BOTH, "1", _one),
     "best_of": (("completions",), "1", _one),
     "suffix": (("completions",), '""', lambda v: v is None or v == ""),
-    "response_format": (("chat",), '{"type": "text"}', lambda v: v is None or v == {"type": "text"}),
     "tools": (("chat",), "[]", lambda v: v is None or v == []),
     "functions": (("chat",), "[]", lambda v: v is None or v == []),
     "tool_choice": (("chat",), '"none"', lambda v: v is None or v == "none"),
@@ -170,6 +174,67 @@ def _logit_bias(body: dict) -> dict[int, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise invalid("logit_bias", f"token {token}: bias must be a finite number, got {value!r}")
         out[token] = float(value)
+    return out
+
+
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+
+
+def _structured(body: dict) -> verifier_pb2.StructuredOutput | None:
+    """The output grammar: OpenAI's `response_format` ({"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}) or vLLM's
+    `structured_outputs` (exactly one of "json": a schema, "regex", "choice": a list of strings,
+    "grammar": a Lark grammar); not both."""
+    fmt = _field(body, "response_format", dict, None)
+    so = _field(body, "structured_outputs", dict, None)
+    if fmt is not None and so is not None:
+        raise invalid("structured_outputs", "give response_format or structured_outputs, not both")
+    out = verifier_pb2.StructuredOutput()
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "text" and set(fmt) == {"type"}:
+            return None
+        if kind == "json_object" and set(fmt) == {"type"}:
+            out.json_object = True
+            return out
+        if kind != "json_schema":
+            raise invalid("response_format.type", f'one of "text", "json_object", "json_schema", got {kind!r}')
+        extra = next((k for k in fmt if k not in ("type", "json_schema")), None)
+        if extra is not None:
+            raise invalid(f"response_format.{extra}", "unknown field")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid("response_format.json_schema.schema", "a JSON schema object is required")
+        extra = next((k for k in spec if k not in ("name", "schema", "strict", "description")), None)
+        if extra is not None:
+            raise invalid(f"response_format.json_schema.{extra}", "unknown field")
+        out.json_schema = json.dumps(spec["schema"])
+        return out
+    if so is None:
+        return None
+    given = [k for k in so if so[k] is not None]
+    if len(given) != 1 or given[0] not in STRUCTURED_KEYS:
+        raise invalid("structured_outputs", f"exactly one of {sorted(STRUCTURED_KEYS)}, got {sorted(so)}")
+    key = given[0]
+    value = so[key]
+    where = f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise invalid(where, f"not JSON ({e})") from e
+        if not isinstance(value, dict):
+            raise invalid(where, "a JSON schema object")
+        out.json_schema = json.dumps(value)
+    elif key == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise invalid(where, "a non-empty list of non-empty strings")
+        out.choice.choices.extend(_text(c, where) for c in value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise invalid(where, "a non-empty string")
+        setattr(out, STRUCTURED_KEYS[key], _text(value, where))
     return out
 
 
@@ -282,6 +347,9 @@ class OpenAIApi:
                                                 prompt_logprobs=prompt_logprobs)
         if logprobs is not None:
             template.logprobs = logprobs
+        structured = _structured(body)
+        if structured is not None:
+            template.structured.CopyFrom(structured)
         return TurnRequest(session_id=session_id, ids=ids, max_tokens=max_tokens,
                            stops=r.stops(stops, stop_ids, ignore_eos), template=template, full_context=True,
                            key_id=key)

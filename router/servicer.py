@@ -50,6 +50,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ignore_eos=request.ignore_eos, speculation=request.speculation, prompt_logprobs=request.prompt_logprobs)
         if request.HasField("logprobs"):
             template.logprobs = request.logprobs
+        if request.HasField("structured"):
+            template.structured.CopyFrom(request.structured)
         remaining = context.time_remaining()
         return TurnRequest(
             session_id=session_id, ids=ids, max_tokens=request.max_tokens,

@@ -33,6 +33,7 @@ the engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -110,11 +111,13 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
                   speculate: bool = True, budget: int = 0, depth: int = 0, logprobs: int | None = None,
                   prompt_logprobs: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
-                  min_tokens: int = 0) -> verifier_pb2.GenerateRequest:
+                  min_tokens: int = 0, structured: dict | None = None) -> verifier_pb2.GenerateRequest:
     """The GenerateRequest of one turn (budget/depth 0 = the verifier's defaults). `logprobs`: the
     target's log-probability of each generated token with this many alternatives (0..20; None =
     none); `prompt_logprobs`: also of the prompt's tokens (needs `logprobs`). Penalties: as in
-    OpenAI's and vLLM's APIs (common.proto SamplingParams says the order)."""
+    OpenAI's and vLLM's APIs (common.proto SamplingParams says the order). `structured`: the
+    output's grammar, vLLM's `structured_outputs` form: {"json": schema dict}, {"json_object":
+    True}, {"regex": str}, {"choice": [str, ...]} or {"grammar": Lark text}."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                          repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
@@ -128,11 +131,31 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
         prompt_logprobs=prompt_logprobs)
     if logprobs is not None:
         req.logprobs = logprobs
+    if structured is not None:
+        req.structured.CopyFrom(_structured(structured))
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def _structured(spec: dict) -> verifier_pb2.StructuredOutput:
+    if len(spec) != 1:
+        raise ValueError(f"structured: exactly one of json, json_object, regex, choice, grammar; got {sorted(spec)}")
+    (key, value), = spec.items()
+    out = verifier_pb2.StructuredOutput()
+    if key == "json":
+        out.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif key == "json_object":
+        out.json_object = True
+    elif key == "choice":
+        out.choice.choices.extend(value)
+    elif key in ("regex", "grammar"):
+        setattr(out, "lark" if key == "grammar" else "regex", value)
+    else:
+        raise ValueError(f"structured: unknown key {key!r}")
+    return out
 
 
 class _Collected:
@@ -258,7 +281,8 @@ class Client(_Base):
                  **params) -> Stream:
         """Stream one turn. `params`: max_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, session_id, speculate, budget, depth, logprobs, prompt_logprobs,
-        presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens (see build_request)."""
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, structured
+        (see build_request)."""
         return Stream(self, build_request(prompt, **params), timeout or self.timeout, api_key or self.api_key)
 
     def complete(self, prompt: str | Sequence[int], **kw) -> Completion:

@@ -6,11 +6,14 @@ means 1.0 (off). Nothing is validated here; the core's own validators do that.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from specmesh.grammar import GrammarSpec
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
-from specmesh.v1 import common_pb2
+from specmesh.v1 import common_pb2, verifier_pb2
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -35,6 +38,17 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.seed is not None:
         msg.seed = p.seed
     return msg
+
+
+def structured_from_pb(msg: verifier_pb2.StructuredOutput) -> GrammarSpec:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured: set one of json_schema, json_object, regex, choice, lark")
+    if kind == "json_object":
+        return GrammarSpec(kind, "")
+    if kind == "choice":
+        return GrammarSpec(kind, json.dumps(list(msg.choice.choices)))
+    return GrammarSpec(kind, getattr(msg, kind))
 
 
 def tree_from_pb(msg: common_pb2.DraftTree) -> DraftTree:

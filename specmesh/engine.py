@@ -59,6 +59,32 @@ def check_logprobs(logprobs: int | None, name: str = "logprobs") -> None:
         raise ValueError(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}] alternatives per token, got {logprobs}")
 
 
+class Shape(Protocol):
+    """What makes the target distribution of a turn out of its logits beyond sampling settings:
+    penalties (`sampling.Penalizer`), a grammar (`grammar.Constraint`). Called on one step's rows
+    (each tree row continuing its own path), then told the tokens the step emitted."""
+
+    def __call__(self, logits: torch.Tensor, parents: list[int], tokens: list[int]) -> torch.Tensor: ...
+
+    def add(self, tokens: list[int]) -> None: ...
+
+
+class Shapes:
+    """Several Shapes applied in order (penalties, then the grammar's mask)."""
+
+    def __init__(self, shapes: list[Shape]) -> None:
+        self.shapes = shapes
+
+    def __call__(self, logits: torch.Tensor, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        for s in self.shapes:
+            logits = s(logits, parents, tokens)
+        return logits
+
+    def add(self, tokens: list[int]) -> None:
+        for s in self.shapes:
+            s.add(tokens)
+
+
 class TargetSession:
     def __init__(self, model: Transformer, prompt_ids: list[int], features: bool = False,
                  prompt_logprobs: int | None = None) -> None:
@@ -118,11 +144,11 @@ class TargetSession:
         return lps
 
     def step(self, tree: DraftTree, params: SamplingParams, generator: torch.Generator,
-             logprobs: int | None = None, penalizer: Penalizer | None = None) -> tuple[VerifyResult, list[int]]:
+             logprobs: int | None = None, shape: Shape | None = None) -> tuple[VerifyResult, list[int]]:
         """Verify one (already validated) tree; commit; return the result and the new tokens. With
         `logprobs` (alternatives per token) the result carries the new tokens' TokenLogprobs, from
-        the rows of this same forward that verified them (raw: before `penalizer`, which shapes the
-        distribution the tree is verified against)."""
+        the rows of this same forward that verified them (raw: before `shape`, the penalties and
+        grammar that make the distribution the tree is verified against)."""
         model, cache = self.model, self.cache
         start = cache.length
         n = len(tree)
@@ -136,7 +162,7 @@ class TargetSession:
         want = self._features is not None
         out = model(toks, pos, cache, start, mask, hidden=want)
         logits = out[0] if want else out  # [1 + N, V]
-        shaped = logits if penalizer is None else penalizer(logits, tree.parents, tree.tokens)
+        shaped = logits if shape is None else shape(logits, tree.parents, tree.tokens)
         result = verify_tree(tree, shaped, params, generator)
         cache.commit([start] + [start + 1 + i for i in result.accepted])
         path = [0] + [1 + i for i in result.accepted]  # the rows that predicted the new tokens
@@ -257,11 +283,13 @@ def run_turn(
     result: GenerationResult | None = None,
     logprobs: int | None = None,
     resumed_output: int = 0,
+    constraint: Shape | None = None,
 ) -> Iterator[list[int]]:
     """The speculation loop of one turn: draft, validate, verify, commit, stop. Yields the new
     token ids of each step; fills `result` (with `logprobs` alternatives per token: its
     `logprobs`, one per token id). `resumed_output`: the target's last tokens that are this
-    turn's output already (a resumed turn: penalties count them). Afterwards the target holds
+    turn's output already (a resumed turn: penalties count them). `constraint`: a grammar the
+    output must match (`grammar.Constraint`), applied after the penalties. Afterwards the target holds
     exactly the delivered tokens (tokens past a stop or max_tokens are rolled back), so the next
     turn can extend it."""
     res = result if result is not None else GenerationResult()
@@ -270,6 +298,8 @@ def run_turn(
     out = res.token_ids
     base = len(target.tokens)
     penalizer = Penalizer(params, vocab, target.tokens, stop.stop_ids, resumed_output) if params.penalised else None
+    shapes = [s for s in (penalizer, constraint) if s is not None]
+    shape = None if not shapes else shapes[0] if len(shapes) == 1 else Shapes(shapes)
     t0 = time.perf_counter()
     while True:
         # 1. draft
@@ -285,9 +315,9 @@ def run_turn(
                 tree = DraftTree.empty()
         # 2. verify and commit
         t = time.perf_counter()
-        verdict, new = target.step(tree, params, generator, logprobs, penalizer)
-        if penalizer is not None:
-            penalizer.add(new)
+        verdict, new = target.step(tree, params, generator, logprobs, shape)
+        if shape is not None:
+            shape.add(new)
         verify_s = time.perf_counter() - t
         st.verify_s += verify_s
         st.steps += 1
@@ -362,6 +392,7 @@ def generate_stream(
     decode: Callable[[list[int]], str] | None = None,
     result: GenerationResult | None = None,
     logprobs: int | None = None,
+    constraint: Shape | None = None,
 ) -> Iterator[list[int]]:
     """One-shot generation in this process. Yields new token ids step by step; fills `result`
     (with `logprobs` alternatives per token, also its `logprobs`: see `run_turn`)."""
@@ -379,7 +410,7 @@ def generate_stream(
     session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
     source = LocalDrafts(session, spec, params, generator) if session is not None else None
     try:
-        for chunk in run_turn(target, source, params, generator, stop, decode, res, logprobs):
+        for chunk in run_turn(target, source, params, generator, stop, decode, res, logprobs, 0, constraint):
             res.stats.total_s = time.perf_counter() - t0  # includes the prefill
             yield chunk
         res.stats.total_s = time.perf_counter() - t0
@@ -390,8 +421,9 @@ def generate_stream(
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, stop: StopConditions,
              drafter: Drafter | None = None, spec: SpecConfig = SpecConfig(),
-             decode: Callable[[list[int]], str] | None = None, logprobs: int | None = None) -> GenerationResult:
+             decode: Callable[[list[int]], str] | None = None, logprobs: int | None = None,
+             constraint: Shape | None = None) -> GenerationResult:
     res = GenerationResult()
-    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res, logprobs):
+    for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res, logprobs, constraint):
         pass
     return res

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from specmesh.convert import sampling_from_pb
+from specmesh.convert import sampling_from_pb, structured_from_pb
 from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions, check_logprobs
 from specmesh.logprobs import logprob_to_pb
 from specmesh.tree import InvalidTreeError
@@ -82,6 +82,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             derive_deadline=not o.draft_deadline_s and params.seed is None,
             history=list(req.history.ids) if req.HasField("history") else None,
             logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, resumed_output=req.resumed_output_tokens,
+            structured=structured_from_pb(req.structured) if req.HasField("structured") else None,
         )
 
     def Generate(self, request, context):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specmesh.batching import BatchingTarget
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, measure_steps, run_turn
+from specmesh.grammar import Grammars, GrammarSpec
 from specmesh.logprobs import TokenLogprob
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.text import TextStream
@@ -36,6 +37,7 @@ class Turn:
     logprobs: int | None = None      # alternatives per token of the generated tokens' logprobs; None = none
     prompt_logprobs: bool = False    # also the input tokens' (needs logprobs)
     resumed_output: int = 0          # the history's last tokens that are this turn's output (failover)
+    structured: GrammarSpec | None = None  # the grammar the output must match
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Verifier:
         self.vocab_size = model.config.vocab_size
         self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
         self.sessions = SessionStore(cfg.max_sessions)
+        self.grammars = Grammars(tokenizer, self.vocab_size)  # structured outputs
         self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s, cfg.peer_tls)
         # this verifier's step by rows, measured once here: drafters plan their trees against it
         # (a batching wrapper's own model: one session's steps are its forwards, uncounted)
@@ -92,13 +95,14 @@ class Verifier:
                              f"{len(turn.history or [])} tokens")
         if context_len > self.cfg.max_context_tokens:
             raise ValueError(f"input: {context_len} tokens exceed max_context_tokens {self.cfg.max_context_tokens}")
+        constraint = None if turn.structured is None else self.grammars.constraint(turn.structured)
         sid = turn.session_id or f"oneshot-{uuid.uuid4().hex}"
         session = self.sessions.acquire(sid)
         try:
             target, prompt_lps = self._place(session, turn, out)
             if prompt_lps:
                 yield Chunk([], "", prompt_logprobs=prompt_lps)
-            yield from self._speculate(session, sid, target, turn, is_active, out)
+            yield from self._speculate(session, sid, target, turn, is_active, out, constraint)
         finally:
             self.sessions.release(session)
             if not turn.session_id:
@@ -158,7 +162,7 @@ class Verifier:
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,
-                   is_active: Callable[[], bool], out: Outcome) -> Iterator[Chunk]:
+                   is_active: Callable[[], bool], out: Outcome, constraint=None) -> Iterator[Chunk]:
         params = turn.params
         generator = make_generator(params)
         source = self._drafts(session, sid, target, turn)
@@ -168,7 +172,7 @@ class Verifier:
         t0 = time.perf_counter()
         try:
             for ids in run_turn(target, source, params, generator, turn.stop, self.decode, res, turn.logprobs,
-                                turn.resumed_output):
+                                turn.resumed_output, constraint):
                 end = len(res.token_ids)  # `ids` are the last tokens of the turn so far
                 yield Chunk(ids, text.push(ids), res.logprobs[end - len(ids):end] if turn.logprobs is not None else [])
                 if not is_active():

@@ -5,8 +5,11 @@ naming the field."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -169,6 +172,54 @@ def test_penalties_change_the_output_and_speculation_keeps_it(oa, model, tok):
     assert " dog" in _chat_text(oa, model, {}, False, logit_bias={str(dog): 30.0})
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED = [  # (request fields, check of the output text)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}},
+     lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict) or 1 / 0),
+    ({"extra_body": {"structured_outputs": {"regex": r"[A-Z][a-z]{2,8} is [1-9][0-9]? years old\."}}},
+     lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} is [1-9][0-9]? years old\.", t) or 1 / 0),
+    ({"extra_body": {"structured_outputs": {"choice": ["yes", "no", "it depends"]}}},
+     lambda t: t in ("yes", "no", "it depends") or 1 / 0),
+]
+
+
+@pytest.mark.parametrize("fields, check", STRUCTURED, ids=["json_schema", "json_object", "regex", "choice"])
+def test_structured_outputs_match_their_grammar_with_speculation_on_and_off(oa, model, fields, check):
+    question = [{"role": "user", "content": "Ann is 31. Describe her as JSON, or say how old she is."}]
+    texts = set()
+    for on in (True, False):
+        for stream in (False, True):
+            kw = {**fields, "extra_body": {**fields.get("extra_body", {}),
+                                           "speculation": {} if on else {"disabled": True}}}
+            body = dict(model=model, messages=question, max_tokens=48, temperature=0, **kw)
+            if stream:
+                text = "".join(p.choices[0].delta.content or "" for p in
+                               oa.chat.completions.create(stream=True, **body) if p.choices)
+            else:
+                r = oa.chat.completions.create(**body)
+                assert r.choices[0].finish_reason == "stop"
+                text = r.choices[0].message.content
+            check(text)
+            texts.add(text)
+    assert len(texts) == 1, texts  # greedy: the same constrained output every way
+    # sampled output matches too
+    sampled = oa.chat.completions.create(model=model, messages=question, max_tokens=48, temperature=1.0, seed=5,
+                                         **fields)
+    if sampled.choices[0].finish_reason == "stop":
+        check(sampled.choices[0].message.content)
+
+
+def test_completions_and_the_sdk_take_structured_outputs(oa, model, sdk):
+    r = oa.completions.create(model=model, prompt="The answer (yes or no):", max_tokens=8, temperature=0,
+                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+    done = sdk.complete("Ann's age as JSON:", max_tokens=48, structured={"json": PERSON})
+    jsonschema.validate(json.loads(done.text), PERSON)
+
+
 @pytest.mark.parametrize("endpoint, body, param", [
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
@@ -183,6 +234,13 @@ def test_penalties_change_the_output_and_speculation_keeps_it(oa, model, tok):
     ("chat", {"logit_bias": {"1": 101}}, "logit_bias"),
     ("chat", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("completions", {"min_tokens": -1}, "min_tokens"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"structured_outputs": {"regex": "([a-z"}}, "structured.regex"),
+    ("chat", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_logprobs_fields_are_400_naming_the_field(oa, model, endpoint, body, param):
     with pytest.raises(openai.BadRequestError) as e:

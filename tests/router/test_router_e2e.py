@@ -444,7 +444,7 @@ BAD_BODIES = [  # (endpoint, body or raw JSON text, the field the 400 must name)
     ("completions", {**COMPLETION, "suffix": "!"}, "suffix"),
     ("completions", {**COMPLETION, "foo": 1}, "foo"),
     ("completions", {**COMPLETION, "top_logprobs": 2}, "top_logprobs"),
-    ("chat", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("chat", {**CHAT, "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
     ("chat", {**CHAT, "messages": [{"role": "hacker", "content": "x"}]}, "messages[0].role"),
