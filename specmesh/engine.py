@@ -27,7 +27,7 @@ import torch
 
 from specmesh.drafters.base import Drafter, DraftSession, FeatureRows
 from specmesh.model import Transformer
-from specmesh.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from specmesh.logprobs import TokenLogprob, check_logprobs
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
 from specmesh.text import first_stop
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
@@ -51,12 +51,6 @@ class SpecConfig:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_NODES}], got {self.budget}")
         if not 1 <= self.depth <= MAX_DEPTH:
             raise ValueError(f"depth: must be in [1, {MAX_DEPTH}], got {self.depth}")
-
-
-def check_logprobs(logprobs: int | None, name: str = "logprobs") -> None:
-    """None (no log-probabilities) or the alternatives per token, 0 to MAX_TOP_LOGPROBS."""
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}] alternatives per token, got {logprobs}")
 
 
 class Shape(Protocol):
@@ -299,7 +293,7 @@ def run_turn(
     base = len(target.tokens)
     penalizer = Penalizer(params, vocab, target.tokens, stop.stop_ids, resumed_output) if params.penalised else None
     shapes = [s for s in (penalizer, constraint) if s is not None]
-    shape = None if not shapes else shapes[0] if len(shapes) == 1 else Shapes(shapes)
+    shape = Shapes(shapes) if shapes else None
     t0 = time.perf_counter()
     while True:
         # 1. draft

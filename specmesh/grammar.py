@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specmesh.tree import ROOT
+from specmesh.tree import ROOT, children_of_parents
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
@@ -89,7 +89,6 @@ class Constraint:
     def __init__(self, matcher, vocab_size: int, eos: int | None) -> None:
         self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
         self.seconds = 0.0  # spent masking and advancing, over the turn (benchmarks report it)
-        self.masks = 0      # rows masked
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
@@ -99,9 +98,7 @@ class Constraint:
     def __call__(self, logits: torch.Tensor, parents: list[int], tokens: list[int]) -> torch.Tensor:
         """logits [N+1, V] with each reachable row's forbidden tokens at -inf."""
         t0 = time.perf_counter()
-        kids: dict[int, list[int]] = {}
-        for i, p in enumerate(parents):
-            kids.setdefault(p, []).append(i)
+        kids = children_of_parents(parents)
         masks: dict[int, torch.Tensor] = {}
         m = self.matcher
 
@@ -119,7 +116,6 @@ class Constraint:
         rows = sorted(masks)
         out[rows] = out[rows].masked_fill(~torch.stack([masks[r] for r in rows]), float("-inf"))
         self.seconds += time.perf_counter() - t0
-        self.masks += len(rows)
         return out
 
     def add(self, tokens: list[int]) -> None:

@@ -21,6 +21,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
+def check_logprobs(logprobs: int | None, name: str = "logprobs") -> None:
+    """None (no log-probabilities) or the alternatives per token, 0 to MAX_TOP_LOGPROBS."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}] alternatives per token, got {logprobs}")
+
+
 def logprob_to_pb(lp: TokenLogprob) -> verifier_pb2.TokenLogprob:
     msg = verifier_pb2.TokenLogprob(token_id=lp.token, top_ids=[i for i, _ in lp.top],
                                     top_logprobs=[v for _, v in lp.top])

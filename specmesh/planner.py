@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from specmesh.drafters.base import Children, grow_tree
-from specmesh.tree import ROOT, depths
+from specmesh.tree import ROOT, children_of_parents, depths
 
 MAX_OUTCOMES = 8  # predrafts per step considered at most
 MAX_BRANCHES = 2  # bonus candidates with a tree under them, per predraft
@@ -247,13 +247,6 @@ class Acceptance:
 
 def _grid(v: float) -> list[list[float]]:
     return [[v] * MAX_RANKS for _ in range(MAX_LEVELS)]
-
-
-def children_of_parents(parents: list[int]) -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        kids.setdefault(p, []).append(i)
-    return kids
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,13 @@ detect that from one tree). Randomness comes only from the `torch.Generator` pas
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from specmesh.logprobs import TokenLogprob
-from specmesh.tree import ROOT, DraftTree, children_of
+from specmesh.tree import ROOT, DraftTree, children_of, depths, path_to
 
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20
@@ -156,15 +157,8 @@ class Penalizer:
         x = self._penalise(raw, self.counts.expand_as(raw), self.seen.expand_as(raw))  # the committed part
         # each row's own path: recompute its tokens' entries with the path's counts added
         rows, cols, extra = [], [], []
-        depth = [0] * (len(tokens) + 1)
-        for i, parent in enumerate(parents):
-            depth[i + 1] = depth[parent + 1] + 1
-            path: dict[int, int] = {}
-            node = i
-            while node != ROOT:
-                path[tokens[node]] = path.get(tokens[node], 0) + 1
-                node = parents[node]
-            for tok, n in path.items():
+        for i in range(len(parents)):
+            for tok, n in Counter(tokens[j] for j in path_to(parents, i)).items():
                 rows.append(i + 1), cols.append(tok), extra.append(n)
         if rows:
             r, c = torch.tensor(rows), torch.tensor(cols)
@@ -174,6 +168,7 @@ class Penalizer:
         if self.bias is not None:
             x = x + self.bias
         if self.p.min_tokens and len(self.stops):
+            depth = [0] + depths(parents)  # of each row's next token past the output
             short = torch.tensor([self.produced + d < self.p.min_tokens for d in depth])  # [N+1]
             if bool(short.any()):
                 x = x.clone() if x is raw else x

@@ -66,6 +66,14 @@ def children_of(tree: DraftTree) -> dict[int, list[int]]:
     return kids
 
 
+def children_of_parents(parents: list[int]) -> dict[int, list[int]]:
+    """Node index (or ROOT) -> its children's indices, in tree order; leaves absent."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    return kids
+
+
 def path_to(parents: list[int], node: int) -> list[int]:
     """Node indices from the first level down to `node` (inclusive)."""
     path = []

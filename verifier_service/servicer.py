@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import grpc
 
 from specmesh.convert import sampling_from_pb, structured_from_pb
-from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions, check_logprobs
-from specmesh.logprobs import logprob_to_pb
+from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions
+from specmesh.logprobs import check_logprobs, logprob_to_pb
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_service.sessions import SessionBusyError
