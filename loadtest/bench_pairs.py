@@ -358,6 +358,7 @@ def machine_info() -> dict:
     """CPU model and vector flags (as the kernel dispatch keys them), threads, library versions, HEAD."""
     import transformers
 
+    from specmesh.kernels import qdot
     from specmesh.kernels.dispatch import cpu_flags, cpu_model
 
     try:
@@ -368,12 +369,15 @@ def machine_info() -> dict:
     try:
         import llama_cpp
         llama = llama_cpp.__version__
+        # the peer's build: which SIMD paths ggml was compiled with (AVX512, VNNI, ...) on this host
+        llama_build = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     except ImportError:
-        llama = "not installed"
+        llama, llama_build = "not installed", ""
     return {"cpu_model": cpu_model(), "avx2": "avx2" in flags, "avx512": [f for f in flags if f.startswith("avx512")],
             "amx": [f for f in flags if f.startswith("amx")], "machine_threads": os.cpu_count(),
             "commit_full": commit, "torch": torch.__version__, "transformers": transformers.__version__,
-            "llama_cpp_python": llama}
+            "llama_cpp_python": llama, "llama_cpp_system_info": llama_build,
+            "integer_kernel": qdot.describe()}  # this process's thread count; each service names its own at start
 
 
 def checks(results: list[dict]) -> dict:

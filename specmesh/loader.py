@@ -296,17 +296,8 @@ def fastest_format(n: int, k: int, formats: tuple[str, ...]) -> str:
     key = {"what": "time_formats", "formats": list(formats), "shape": [n, k], "cpu": dispatch.cpu_model(),
            "flags": dispatch.cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "kernels": os.environ.get("SPECMESH_KERNELS", "auto"),
-           "libraries": [lib.library_path().name for lib in (kernels, q4, qdot)]}  # a rebuilt kernel re-times
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    cached = kernels._cache_dir() / f"auto-format-{digest}.json"
-    try:
-        result = json.loads(cached.read_text())["result"]
-    except (OSError, ValueError, KeyError):
-        result = quant.time_formats(n, k, formats)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "result": result}, indent=1))
-        os.replace(tmp, cached)
+           "libraries": [lib.library_path().name for lib in (kernels, q4)] + [qdot.library_path(v).name for v in qdot.runnable()]}  # a rebuilt kernel re-times
+    result, _ = dispatch.cached_json(kernels._cache_dir(), "auto-format", key, lambda: quant.time_formats(n, k, formats))
     timed = ", ".join(f"{f} {result[f + '_us']}" for f in formats)
     print(f"specmesh: us per {n}x{k} product by rows, {timed} ({dispatch.cpu_model()}, "
           f"{torch.get_num_threads()} threads): {result['choice']}", file=sys.stderr, flush=True)

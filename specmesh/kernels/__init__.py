@@ -59,12 +59,12 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SPECMESH_KERNEL_DIR") or cache_root() / "kernels")
 
 
-def keyed_library(stem: str, source: Path, headers: list[Path]) -> Path:
-    """Where the library built from `source` (including `headers`) is cached: keyed by their bytes,
-    the compiler flags, torch, Python and the machine."""
+def keyed_library(stem: str, source: Path, headers: list[Path], flags: tuple[str, ...] = ()) -> Path:
+    """Where the library built from `source` (including `headers`) with the extra compiler `flags`
+    is cached: keyed by their bytes, the compiler flags, torch, Python and the machine."""
     key = hashlib.sha256(
         source.read_bytes() + b"".join(h.read_bytes() for h in headers)
-        + " ".join(_FLAGS + [torch.__version__, sys.version, platform.machine()]).encode()
+        + " ".join(_FLAGS + list(flags) + [torch.__version__, sys.version, platform.machine()]).encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"{stem}-{key}.so"
 
@@ -83,7 +83,7 @@ def library_path() -> Path:
     return keyed_library("small_gemm", _SOURCE, [_POOL])
 
 
-def _compile(out: Path, source: Path = _SOURCE) -> None:
+def _compile(out: Path, source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> None:
     """Compile `source` into a private temporary file, then rename: concurrent builders never share a file."""
     from torch.utils import cpp_extension
 
@@ -94,7 +94,7 @@ def _compile(out: Path, source: Path = _SOURCE) -> None:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=specmesh_kernels"]
+        cmd = [cxx, *_FLAGS, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=specmesh_kernels"]
         cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
         cmd += [str(source), "-o", str(tmp_out)]
         cmd += [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
@@ -104,11 +104,12 @@ def _compile(out: Path, source: Path = _SOURCE) -> None:
         os.replace(tmp_out, out)
 
 
-def build_library(path: Path, source: Path, what: str) -> Path:
-    """Compile `source` into `path` if it is not cached yet (saying so: it takes ~30 s); `path`."""
+def build_library(path: Path, source: Path, what: str, flags: tuple[str, ...] = ()) -> Path:
+    """Compile `source` (with the extra `flags`) into `path` if it is not cached yet (saying so: it
+    takes ~30 s); `path`."""
     if not path.is_file():
         print(f"specmesh: compiling the {what} (once, ~30 s) ...", file=sys.stderr, flush=True)
-        _compile(path, source)
+        _compile(path, source, flags)
     return path
 
 

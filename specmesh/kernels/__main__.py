@@ -1,7 +1,8 @@
 """`python -m specmesh.kernels`: build (or find) the kernel library now and say whether it is used.
 
-`--report` prints this machine's dispatch table for this torch thread count (`--threads`): per
-weight shape and row count, the kernel's and torch's median time and the choice. `--target PATH`
+`--report` prints this machine's dispatch tables for this torch thread count (`--threads`): per
+weight shape and row count, the fp32 kernel's and torch's median time and the choice; per layout
+and row count, which build of the integer kernel runs (AVX2 or AVX512-VNNI) and their times. `--target PATH`
 loads that model first, which times its shapes if the table lacks them.
 """
 
@@ -32,6 +33,12 @@ print(f"specmesh 4-bit kernel: {f'active ({q4.library_path()})' if q4.load() els
 from specmesh.kernels import ggml, qdot  # noqa: E402 - the integer kernel (--dtype gguf), and ggml's where installed
 
 print(f"specmesh integer kernel: {f'active ({qdot.library_path()})' if qdot.load() else f'not used ({qdot.reason()})'}")
+if qdot.available() and args.report:  # which build runs per layout and row count, timed on this machine
+    d = qdot.describe()
+    print(f"integer kernel variants {', '.join(d['variants'])} at {d['threads']} threads: {d['choice']}")
+    for bits, cells in d.get("timed_us", {}).items():
+        print(f"  {bits}-bit, us per call by rows: " + "; ".join(
+            f"{v} " + " ".join(f"{m}:{us:.0f}" for m, us in by_rows.items()) for v, by_rows in cells.items()))
 print(f"ggml kernels: {f'active ({ggml.provider()})' if ggml.load() else f'not used ({ggml.reason()})'}")
 if args.report or args.target:
     if args.target:

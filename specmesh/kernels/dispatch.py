@@ -114,6 +114,29 @@ def _write_table(path: Path, table: dict) -> None:
     os.replace(tmp, path)
 
 
+def cached_json(folder: Path, stem: str, key: dict, compute: Callable[[], dict]) -> tuple[dict, float]:
+    """A measurement cached as `folder/<stem>-<hash of key>.json`: read it, or `compute()` it now
+    (one process at a time: two services starting together must not time each other's load) and
+    write it. Returns (result, seconds spent computing: 0 when cached)."""
+    path = folder / f"{stem}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    try:
+        return json.loads(path.read_text())["result"], 0.0
+    except (OSError, ValueError, KeyError):
+        pass
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return json.loads(path.read_text())["result"], 0.0
+        except (OSError, ValueError, KeyError):
+            pass
+        t0 = time.perf_counter()
+        result = compute()
+        spent = time.perf_counter() - t0
+        _write_table(path, {"key": key, "result": result})
+    return result, spent
+
+
 def shape_name(n: int, k: int) -> str:
     return f"{n}x{k}"
 

@@ -12,18 +12,31 @@ and batching pay.
 `pack(q, scale, bias, bits)` / `pack_super(...)` repack once, at load time, into the kernel's
 layout (see the .cpp); `linear(x, codes, sb, sc, n, bits, s)` multiplies. Built and cached like
 the other kernels (`specmesh.kernels`, `SPECMESH_KERNELS=0` turns it off); where it cannot load,
-`available()` is False and `reason()` says why. Every output is a fixed sequence of operations whatever the other rows, the tiling or
+`available()` is False and `reason()` says why.
+
+**Variants, chosen by measurement** (`VARIANTS`): the same source built for AVX2 (maddubs) and,
+where the CPU has AVX512-VNNI, for VNNI (dpbusd). Their integer sums are exact, so their outputs
+are bit-identical and the choice can follow the row count without touching batch invariance:
+`choice()` times every variant this CPU runs on synthetic Q4_K, Q6_K and Q8_0 layers (interleaved,
+weights rotated past the cache) at `ROWS` and takes, per layout and row count, the fastest (another
+variant must beat AVX2 by `MARGIN`); a row count between two timed ones takes the choice of the
+lower. Timed once per CPU model, flags, thread count, torch and library build (about a second),
+cached beside the libraries; `python -m specmesh.kernels --report` prints the table.
+`SPECMESH_QDOT=avx2|avx512vnni` forces one variant (no timing). Every output is a fixed sequence of operations whatever the other rows, the tiling or
 the thread count (batch invariance). This module knows codes and tensors, nothing of models.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specmesh import kernels as _k
+from specmesh.kernels import dispatch as _dispatch
 
 _SOURCE = Path(__file__).with_name("qdot_gemm.cpp")
 _HEADERS = [Path(__file__).with_name("pool.h")]
@@ -32,9 +45,22 @@ GROUP = {4: 32, 6: 16, 8: 16}  # layout -> inputs per (scale, bias) group
 CODES = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}  # layout -> code range
 
 
+# name -> (extra compiler flags, /proc/cpuinfo flags it needs, its torch.ops namespace)
+VARIANTS = {
+    "avx2": ((), ("avx2", "fma"), "specmesh_qdot"),
+    "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+                   ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "specmesh_qdot_vnni"),
+}
+ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree + pending token, a 16-node tree
+MARGIN = 0.03  # another variant must be this much faster than AVX2 to take a (layout, rows) cell
+TEST_DELAY_ENV = "SPECMESH_QDOT_TEST_DELAY_US"  # tests only: "variant:us", a variant made slow
+
+
 class _State:
     """Process-wide, like `specmesh.kernels._State`."""
-    op = None
+    op = None  # the AVX2 build: what `linear` runs before a choice is made
+    ops: dict = {}  # variant name -> its op, for every variant this CPU runs
+    choices: dict = {}  # torch thread count -> {"table": ..., "by_bits": {bits: [op per row count]}}
     tried = False
     reason = ""
 
@@ -53,24 +79,170 @@ class Packed:
     s: int = 0
 
 
-def library_path() -> Path:
-    return _k.keyed_library("qdot_gemm", _SOURCE, _HEADERS)
+def library_path(variant: str = "avx2") -> Path:
+    return _k.keyed_library("qdot_gemm" if variant == "avx2" else f"qdot_gemm_{variant}", _SOURCE, _HEADERS,
+                            VARIANTS[variant][0])
+
+
+def runnable() -> list[str]:
+    """The variants this CPU can run (by its flags: what it can execute, not what is fastest)."""
+    have = set(_dispatch.cpu_flags())
+    return [v for v, (_, needs, _) in VARIANTS.items() if set(needs) <= have]
 
 
 def load() -> bool:
-    """Make the kernel available in this process (once); False, with `reason()` set, when it cannot."""
+    """Make the kernel available in this process (once): the AVX2 build, and every other variant
+    this CPU runs; False, with `reason()` set, when not even the AVX2 build can load."""
     if _State.tried:
         return _State.op is not None
     _State.tried = True
     if why := _k.unsupported():
         _State.reason = why
         return False
-    try:
-        torch.ops.load_library(str(_k.build_library(library_path(), _SOURCE, "integer CPU kernel")))
-        _State.op = torch.ops.specmesh_qdot.qdot_linear
-    except (OSError, RuntimeError) as e:
-        _State.reason = str(e)
+    forced = os.environ.get("SPECMESH_QDOT") or ""
+    if forced and forced not in VARIANTS:
+        raise ValueError(f"SPECMESH_QDOT: expected one of {', '.join(VARIANTS)}, got {forced!r}")
+    for variant in runnable():
+        flags, _, namespace = VARIANTS[variant]
+        try:
+            path = _k.build_library(library_path(variant), _SOURCE, f"integer CPU kernel ({variant})", flags)
+            torch.ops.load_library(str(path))
+            _State.ops[variant] = getattr(torch.ops, namespace).qdot_linear
+        except (OSError, RuntimeError) as e:
+            if variant == "avx2":
+                _State.reason = str(e)
+                return False
+            print(f"specmesh: integer kernel variant {variant} unavailable: {e}", file=sys.stderr)
+    _State.op = _State.ops.get("avx2")
+    if forced and forced not in _State.ops:
+        raise ValueError(f"SPECMESH_QDOT={forced}: this CPU or build cannot run it (runs {', '.join(_State.ops)})")
     return _State.op is not None
+
+
+def _test_delays() -> dict[str, float]:
+    spec = os.environ.get(TEST_DELAY_ENV) or ""
+    return {v: float(us) * 1e-6 for v, us in (part.split(":") for part in spec.split(",") if part)}
+
+
+def _timed_layers(bits: int, g: torch.Generator, budget_bytes: int = 64 << 20) -> list[Packed]:
+    """Copies of one synthetic layer in `bits`' layout as GGUF loads it (Q4_K, Q6_K super-blocks;
+    Q8_0 per-group pairs), as many as fill `budget_bytes`, so a timed call reads from memory."""
+    n, k = 4096, 1536
+    lo, hi = CODES[bits]
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int16)
+    groups = k // GROUP[bits]
+    if bits == 8:
+        s = torch.rand(n, groups, generator=g) * 1e-3
+        first = pack(q, s, torch.zeros_like(s), bits)
+    else:
+        d = torch.rand(n, groups // 16 if bits == 6 else groups // 8, generator=g) * 1e-3
+        sc = torch.randint(-64, 64, (n, groups), generator=g, dtype=torch.int8)
+        first = pack_super(q, d, -d, sc, None if bits == 6 else sc, bits)
+    copies = max(2, budget_bytes // first.codes.numel())
+    return [first] + [Packed(first.codes.clone(), first.sb.clone(), first.sc.clone(), n, k, bits, first.s)
+                      for _ in range(copies - 1)]
+
+
+def time_variants(variants: list[str], reps: int = 7) -> dict:
+    """Median microseconds per call of each variant, per layout (bits) and row count (`ROWS`),
+    interleaved call by call, each call on the next copy of its layer."""
+    import statistics
+    import time
+
+    delays = _test_delays()
+    g = torch.Generator().manual_seed(0)
+    out: dict = {}
+    for bits in (4, 6, 8):
+        layers = _timed_layers(bits, g)
+        times = {v: {m: [] for m in ROWS} for v in variants}
+        i = 0
+        for rep in range(reps + 1):
+            for m in ROWS:
+                x = torch.randn(m, layers[0].k, generator=g)  # [m, K]
+                for v in variants if rep % 2 else variants[::-1]:
+                    p = layers[i % len(layers)]
+                    i += 1
+                    t = time.perf_counter()
+                    _State.ops[v](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s)
+                    if delays.get(v):
+                        time.sleep(delays[v])
+                    if rep:  # the first round only warms up
+                        times[v][m].append(time.perf_counter() - t)
+        out[str(bits)] = {v: {str(m): round(1e6 * statistics.median(t), 1) for m, t in d.items()}
+                          for v, d in times.items()}
+    return out
+
+
+def choose(timed: dict) -> dict[str, dict[str, str]]:
+    """Per layout and timed row count, the fastest variant; another one must beat AVX2 by MARGIN."""
+    def best(cells: dict, m: str) -> str:
+        base = cells["avx2"][m] if "avx2" in cells else float("inf")
+        fast = min(cells, key=lambda v: cells[v][m])
+        return fast if fast == "avx2" or cells[fast][m] < (1 - MARGIN) * base else "avx2"
+
+    return {bits: {str(m): best(cells, str(m)) for m in ROWS} for bits, cells in timed.items()}
+
+
+def choice() -> dict:
+    """This process's choice at its torch thread count: {"table": {"timed", "choice", ...},
+    "by_bits": {bits: [op for row counts 0..ROWS[-1]]}}, timed now or read from the cache."""
+    threads = torch.get_num_threads()
+    if threads in _State.choices:
+        return _State.choices[threads]
+    variants = list(_State.ops)
+    forced = os.environ.get("SPECMESH_QDOT") or ""
+    if forced:
+        table = {"forced": forced, "choice": {str(b): {str(m): forced for m in ROWS} for b in GROUP}}
+    elif len(variants) == 1:
+        table = {"choice": {str(b): {str(m): variants[0] for m in ROWS} for b in GROUP}}
+    else:
+        key = {"what": "qdot variants", "rows": list(ROWS), "cpu": _dispatch.cpu_model(), "flags": _dispatch.cpu_flags(),
+               "threads": threads, "torch": torch.__version__, "margin": MARGIN,
+               "libraries": [library_path(v).name for v in variants], "test_delay": os.environ.get(TEST_DELAY_ENV, "")}
+
+        def measure() -> dict:
+            timed = time_variants(variants)
+            return {"timed_us": timed, "choice": choose(timed)}
+
+        table, spent = _dispatch.cached_json(library_path().parent, "qdot-variants", key, measure)
+        print(f"specmesh: integer kernel {describe_choice(table['choice'])} "
+              f"({'timed in %.1f s' % spent if spent else 'cached'}: {_dispatch.cpu_model()}, {threads} threads)",
+              file=sys.stderr, flush=True)
+    by_bits = {}
+    for bits in GROUP:
+        cells = table["choice"][str(bits)]
+        ops, cur = [], cells[str(ROWS[0])]
+        for m in range(ROWS[-1] + 1):
+            cur = cells.get(str(m), cur)
+            ops.append(_State.ops[cur])
+        by_bits[bits] = ops
+    _State.choices[threads] = {"table": table, "by_bits": by_bits}
+    return _State.choices[threads]
+
+
+def describe_choice(cells: dict) -> str:
+    """e.g. `4-bit: avx512vnni at 1-17 rows; 6-bit: avx2 at 1, avx512vnni at 2-17 rows; ...`."""
+    parts = []
+    for bits, by_rows in cells.items():
+        runs: list[list] = []
+        for i, m in enumerate(ROWS):
+            hi = ROWS[i + 1] - 1 if i + 1 < len(ROWS) else m
+            if runs and runs[-1][0] == by_rows[str(m)]:
+                runs[-1][2] = hi
+            else:
+                runs.append([by_rows[str(m)], m, hi])
+        parts.append(f"{bits}-bit: " + ", ".join(f"{v} at {lo}" + (f"-{hi}" if hi > lo else "") for v, lo, hi in runs)
+                     + " rows")
+    return "; ".join(parts)
+
+
+def describe() -> dict:
+    """Which variant runs for which layout and row count in this process, for benchmark JSON."""
+    if not available():
+        return {"active": False, "reason": reason()}
+    table = choice()["table"]
+    return {"active": True, "variants": list(_State.ops), "threads": torch.get_num_threads(),
+            "choice": describe_choice(table["choice"]), **({"timed_us": table["timed_us"]} if "timed_us" in table else {})}
 
 
 def available() -> bool:
@@ -170,4 +342,5 @@ def linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, sc: torch.Ten
     call only when `available()`."""
     if _State.op is None:
         load()
-    return _State.op(x, codes, sb, sc, n, bits, s)
+    ops = (_State.choices.get(torch.get_num_threads()) or choice())["by_bits"][bits]
+    return ops[min(x.shape[0], len(ops) - 1)](x, codes, sb, sc, n, bits, s)

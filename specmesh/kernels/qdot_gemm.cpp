@@ -23,6 +23,11 @@
 // maddubs and an add per 32 weights. One row is bound by memory bandwidth: the bytes a weight takes
 // are what a decode step pays.
 //
+// Two builds of this source (specmesh.kernels.qdot.VARIANTS): AVX2 (maddubs + madd) and, compiled with
+// -mavx512vnni -mavx512vl, AVX512-VNNI (dpbusd: the 4 byte products of a lane summed into int32 in one
+// instruction). The integer sums are exact either way, so both give bit-identical outputs; which one
+// runs is chosen by timing them on the machine at hand.
+//
 // Layout (specmesh.kernels.qdot.pack): output rows in blocks of 8, one 32-bit lane per row, so a
 // broadcast of 4 activation bytes meets 4 consecutive inputs of all 8 rows:
 //   BITS 4: codes [N/8, K/32, 4, 32]: chunk c byte 4r + i = q[8b + r][32g + 8c + i] | q[8b + r][32g + 8c + 4 + i] << 4
@@ -38,9 +43,18 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "pool.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QDOT_VNNI 1
+#define QDOT_NS specmesh_qdot_vnni
+#else
+#define QDOT_VNNI 0
+#define QDOT_NS specmesh_qdot
+#endif
 
 namespace {
 
@@ -110,6 +124,31 @@ struct Codes {
 
   // The 8 rows' exact integer sums against one activation row's group (xq at its first input).
   inline __m256i dot(const int8_t* xq) const {
+#if QDOT_VNNI
+    // Two accumulators: a dpbusd's latency, not its throughput, would bound one decode row.
+    const auto x4 = [&](int off) { return _mm256_set1_epi32(quad(xq + off)); };
+    if constexpr (BITS == 4) {
+      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+      for (int ch = 0; ch < 4; ++ch) {
+        a = _mm256_dpbusd_epi32(a, v[ch], x4(ch * 8));
+        b = _mm256_dpbusd_epi32(b, v[4 + ch], x4(ch * 8 + 4));
+      }
+      return _mm256_add_epi32(a, b);
+    } else if constexpr (BITS == 8) {  // |q| unsigned, x with q's sign (|x| <= 127: no overflow)
+      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+      for (int ch = 0; ch < 4; ch += 2) {
+        a = _mm256_dpbusd_epi32(a, v[ch], _mm256_sign_epi8(x4(4 * ch), v[4 + ch]));
+        b = _mm256_dpbusd_epi32(b, v[ch + 1], _mm256_sign_epi8(x4(4 * ch + 4), v[5 + ch]));
+      }
+      return _mm256_add_epi32(a, b);
+    } else {
+      __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[0], x4(0));
+      __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[1], x4(4));
+      a = _mm256_dpbusd_epi32(a, v[2], x4(8));
+      b = _mm256_dpbusd_epi32(b, v[3], x4(12));
+      return _mm256_add_epi32(a, b);
+    }
+#else
     const __m256i ones = _mm256_set1_epi16(1);
     if constexpr (BITS == 4) {
       // 8 maddubs of codes <= 15 and |xq| <= 127 per int16 lane: |sum| <= 8 * 2 * 15 * 127 < 2^15.
@@ -134,6 +173,7 @@ struct Codes {
                                          _mm256_maddubs_epi16(v[3], _mm256_set1_epi32(quad(xq + 12))));
       return _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(d, ones));
     }
+#endif
   }
 };
 
@@ -195,24 +235,172 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
   }
 }
 
+#if QDOT_VNNI
+// AVX-512: two blocks (16 output rows) per register, lanes 0-7 block b and 8-15 block b + 1, so one
+// broadcast activation quad and one dpbusd serve 16 rows. Every lane does what `tile` does for it, in
+// the same order: outputs are bit-identical to the 8-row path.
+inline __m512i pair_bytes(const uint8_t* c0, const uint8_t* c1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1)), 1);
+}
+
+inline __m512 pair_floats(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+inline __m512 pair_widen(const int8_t* a, const int8_t* b) {  // 8 + 8 int8 -> 16 fp32
+  const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+template <int BITS>
+struct Codes2 {
+  __m512i v[8];  // as Codes::v, two blocks wide
+
+  inline Codes2(const uint8_t* c0, const uint8_t* c1) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    if constexpr (BITS == 4) {
+      for (int ch = 0; ch < 4; ++ch) {
+        const __m512i w = pair_bytes(c0 + ch * 32, c1 + ch * 32);
+        v[ch] = _mm512_and_si512(w, low4);
+        v[4 + ch] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      }
+    } else if constexpr (BITS == 8) {
+      for (int ch = 0; ch < 4; ++ch) {
+        v[4 + ch] = pair_bytes(c0 + ch * 32, c1 + ch * 32);
+        v[ch] = _mm512_abs_epi8(v[4 + ch]);
+      }
+    } else {
+      const __m512i n0 = pair_bytes(c0, c1), n1 = pair_bytes(c0 + 32, c1 + 32), h = pair_bytes(c0 + 64, c1 + 64);
+      const __m512i top = _mm512_set1_epi8(0x30);
+      v[0] = _mm512_or_si512(_mm512_and_si512(n0, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+      v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low4), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+      v[2] = _mm512_or_si512(_mm512_and_si512(n1, low4), _mm512_and_si512(h, top));
+      v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+    }
+  }
+
+  inline __m512i dot(const int8_t* xq) const {
+    const auto x4 = [&](int off) { return _mm512_set1_epi32(quad(xq + off)); };
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    if constexpr (BITS == 4) {
+      for (int ch = 0; ch < 4; ++ch) {
+        a = _mm512_dpbusd_epi32(a, v[ch], x4(ch * 8));
+        b = _mm512_dpbusd_epi32(b, v[4 + ch], x4(ch * 8 + 4));
+      }
+    } else if constexpr (BITS == 8) {  // x negated where q < 0 (AVX-512 has no sign_epi8); q = 0 adds 0
+      const __m512i zero = _mm512_setzero_si512();
+      for (int ch = 0; ch < 4; ch += 2) {
+        const __m512i xa = x4(4 * ch), xb = x4(4 * ch + 4);
+        a = _mm512_dpbusd_epi32(a, v[ch], _mm512_mask_sub_epi8(xa, _mm512_movepi8_mask(v[4 + ch]), zero, xa));
+        b = _mm512_dpbusd_epi32(b, v[ch + 1], _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(v[5 + ch]), zero, xb));
+      }
+    } else {
+      a = _mm512_dpbusd_epi32(a, v[0], x4(0));
+      b = _mm512_dpbusd_epi32(b, v[1], x4(4));
+      a = _mm512_dpbusd_epi32(a, v[2], x4(8));
+      b = _mm512_dpbusd_epi32(b, v[3], x4(12));
+    }
+    return _mm512_add_epi32(a, b);
+  }
+};
+
+template <int BITS, int MM, int P>
+inline void tile2(const Product& p, int64_t m0, int64_t b) {
+  constexpr int GS = BITS == 4 ? 32 : 16;
+  constexpr int CB = BITS == 6 ? 96 : 128;
+  const int64_t G = p.K / GS, XG = p.K / XB, SBG = (P ? G / p.S : G) * 2 * LANES;
+  __m512 acc[MM];
+  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* cb0 = p.C + b * G * CB;
+  const uint8_t* cb1 = cb0 + G * CB;
+  const float* sb0 = p.SB + b * SBG;
+  const float* sb1 = sb0 + SBG;
+  const int8_t* sc0 = P ? p.SC + b * G * P * LANES : nullptr;
+  const int8_t* sc1 = P ? sc0 + G * P * LANES : nullptr;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c0 = cb0 + g * CB;
+    const uint8_t* c1 = cb1 + g * CB;
+    _mm_prefetch(reinterpret_cast<const char*>(c0 + PF * CB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c0 + PF * CB + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c1 + PF * CB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c1 + PF * CB + 64), _MM_HINT_T0);
+    if constexpr (P == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(sb0 + (g + PF) * 2 * LANES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sb1 + (g + PF) * 2 * LANES), _MM_HINT_T0);
+    }
+    const Codes2<BITS> u(c0, c1);
+    __m512 s, bias;
+    if constexpr (P == 0) {
+      s = pair_floats(sb0 + g * 2 * LANES, sb1 + g * 2 * LANES);
+      bias = pair_floats(sb0 + g * 2 * LANES + LANES, sb1 + g * 2 * LANES + LANES);
+    } else {
+      const int64_t o = (g / p.S) * 2 * LANES;
+      const __m512 sc = pair_widen(sc0 + g * P * LANES, sc1 + g * P * LANES);
+      s = _mm512_mul_ps(pair_floats(sb0 + o, sb1 + o), sc);
+      bias = _mm512_mul_ps(pair_floats(sb0 + o + LANES, sb1 + o + LANES),
+                           P == 2 ? pair_widen(sc0 + g * P * LANES + LANES, sc1 + g * P * LANES + LANES) : sc);
+    }
+    __m512i isum[MM];
+    for (int i = 0; i < MM; ++i) isum[i] = u.dot(p.XQ + (m0 + i) * p.K + g * GS);
+    for (int i = 0; i < MM; ++i) {
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(p.DX[(m0 + i) * XG + (g * GS) / XB]));
+      acc[i] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(isum[i]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(bias, _mm512_set1_ps(p.XS[(m0 + i) * G + g]), acc[i]);
+    }
+  }
+  const int64_t n0 = b * LANES;
+  for (int i = 0; i < MM; ++i) {
+    float* y = p.Y + (m0 + i) * p.N + n0;
+    if (n0 + 2 * LANES <= p.N) {
+      _mm512_storeu_ps(y, acc[i]);
+    } else {
+      alignas(64) float tmp[2 * LANES];
+      _mm512_store_ps(tmp, acc[i]);
+      for (int64_t j = 0; n0 + j < p.N; ++j) y[j] = tmp[j];
+    }
+  }
+}
+#endif
+
+// One block (W 1) or two (W 2: the AVX-512 build) of output rows against every activation row, in
+// unrolled tiles of up to 8 rows (faster than 4 or 6 for every M, measured).
+template <int BITS, int P, int W>
+inline void blocks(const Product& p, int64_t b) {
+  const auto run = [&](auto mm, int64_t m) {
+#if QDOT_VNNI
+    if constexpr (W == 2) {
+      tile2<BITS, decltype(mm)::value, P>(p, m, b);
+      return;
+    }
+#endif
+    tile<BITS, decltype(mm)::value, P>(p, m, b);
+  };
+  int64_t m = 0;
+  for (; m + 8 <= p.M; m += 8) run(std::integral_constant<int, 8>{}, m);
+  switch (p.M - m) {
+    case 7: run(std::integral_constant<int, 7>{}, m); break;
+    case 6: run(std::integral_constant<int, 6>{}, m); break;
+    case 5: run(std::integral_constant<int, 5>{}, m); break;
+    case 4: run(std::integral_constant<int, 4>{}, m); break;
+    case 3: run(std::integral_constant<int, 3>{}, m); break;
+    case 2: run(std::integral_constant<int, 2>{}, m); break;
+    case 1: run(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 template <int BITS, int P>
 void chunk(const void* ctx, int64_t c) {
   const Product& p = *static_cast<const Product*>(ctx);
   const int64_t end = std::min(p.NB, (c + 1) * p.blocks_per_chunk);
-  for (int64_t b = c * p.blocks_per_chunk; b < end; ++b) {
-    int64_t m = 0;  // in unrolled tiles of up to 8 rows (faster than 4 or 6 for every M, measured)
-    for (; m + 8 <= p.M; m += 8) tile<BITS, 8, P>(p, m, b);
-    switch (p.M - m) {
-      case 7: tile<BITS, 7, P>(p, m, b); break;
-      case 6: tile<BITS, 6, P>(p, m, b); break;
-      case 5: tile<BITS, 5, P>(p, m, b); break;
-      case 4: tile<BITS, 4, P>(p, m, b); break;
-      case 3: tile<BITS, 3, P>(p, m, b); break;
-      case 2: tile<BITS, 2, P>(p, m, b); break;
-      case 1: tile<BITS, 1, P>(p, m, b); break;
-      default: break;
-    }
-  }
+  int64_t b = c * p.blocks_per_chunk;
+#if QDOT_VNNI
+  for (; b + 2 <= end; b += 2) blocks<BITS, P, 2>(p, b);
+#endif
+  for (; b < end; ++b) blocks<BITS, P, 1>(p, b);
 }
 
 using ChunkFn = void (*)(const void*, int64_t);
@@ -278,7 +466,7 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
     }
   }
   // ~32 KB of codes a chunk: cheap to claim, many per thread.
-  const int64_t per = std::max<int64_t>(1, 32768 / (G * 128));
+  const int64_t per = 2 * std::max<int64_t>(1, 16384 / (G * 128));  // even: the AVX-512 build takes blocks in pairs
   const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), sb.data_ptr<float>(),
                   S ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
   specmesh_pool::parallel_chunks((NB + per - 1) / per,
@@ -288,6 +476,7 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
 
 }  // namespace
 
-TORCH_LIBRARY(specmesh_qdot, m) {
+#define QDOT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QDOT_NS before TORCH_LIBRARY pastes it
+QDOT_LIBRARY(QDOT_NS, m) {
   m.def("qdot_linear(Tensor x, Tensor codes, Tensor sb, Tensor sc, int n, int bits, int s) -> Tensor", &qdot_linear);
 }

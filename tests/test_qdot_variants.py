@@ -1,0 +1,90 @@
+"""The integer kernel's builds (specmesh.kernels.qdot.VARIANTS): AVX2 and, where the CPU has it,
+AVX512-VNNI. Each computes the kernel's stated arithmetic; their outputs are bit-identical, so the
+choice between them, by timing per layout and row count, never changes a token; a variant made
+slow is not chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh.kernels import qdot
+from tests.test_gguf_format import _reference
+
+pytestmark = pytest.mark.skipif(not qdot.available(), reason=f"integer kernel unavailable: {qdot.reason()}")
+SEVERAL = pytest.mark.skipif(len(qdot.runnable()) < 2, reason="this CPU runs only the AVX2 build")
+
+
+def _layer(bits: int, n: int, k: int, superblocks: bool, g: torch.Generator) -> tuple[qdot.Packed, tuple]:
+    lo, hi = qdot.CODES[bits]
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int16)
+    gs = qdot.GROUP[bits]
+    if not superblocks:
+        scale, offset = torch.rand(n, k // gs, generator=g) * 0.01, torch.randn(n, k // gs, generator=g) * 0.01
+        return qdot.pack(q, scale, offset, bits), (q, scale, offset)
+    d, dm = torch.rand(n, k // 256, generator=g) * 1e-3, -torch.rand(n, k // 256, generator=g) * 1e-3
+    sc = torch.randint(-64, 64, (n, k // gs), generator=g, dtype=torch.int8)
+    mn = None if bits == 6 else torch.randint(0, 64, (n, k // gs), generator=g, dtype=torch.int8)
+    p = qdot.pack_super(q, d, dm, sc, mn, bits)
+    _, scale, offset = qdot.unpack(p)
+    return p, (q, scale, offset)
+
+
+@pytest.mark.parametrize("variant", qdot.runnable())
+@pytest.mark.parametrize("bits,superblocks", [(4, False), (4, True), (6, True), (8, False)])
+def test_each_variant_computes_the_stated_arithmetic(variant, bits, superblocks):
+    g = torch.Generator().manual_seed(bits)
+    p, (q, scale, offset) = _layer(bits, 45, 512, superblocks, g)  # 45 rows: a pair of blocks, a lone block, padding
+    x = torch.randn(11, 512, generator=g)
+    want = _reference(x, q, scale, offset)
+    got = qdot._State.ops[variant](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@SEVERAL
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits,superblocks", [(4, True), (6, True), (8, False), (4, False)])
+def test_variants_give_bit_identical_rows_alone_and_together(bits, superblocks, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(100 + bits)
+        for n in (24, 40, 1000):  # block pairs only, pairs + a lone block, a thread split
+            p, _ = _layer(bits, n, 768, superblocks, g)
+            x = torch.randn(20, 768, generator=g)
+            ys = {v: op(x, p.codes, p.sb, p.sc, p.n, p.bits, p.s) for v, op in qdot._State.ops.items()}
+            for v, y in ys.items():
+                assert torch.equal(y, ys["avx2"]), (v, n)
+                for m in (1, 2, 5, 9, 17):  # a row alone, in a tree, in a batch: the same bits
+                    assert torch.equal(qdot._State.ops[v](x[:m], p.codes, p.sb, p.sc, p.n, p.bits, p.s), y[:m])
+    finally:
+        torch.set_num_threads(before)
+
+
+@SEVERAL
+def test_a_variant_made_slow_is_not_chosen(monkeypatch):
+    others = [v for v in qdot._State.ops if v != "avx2"]
+    monkeypatch.setenv(qdot.TEST_DELAY_ENV, ",".join(f"{v}:3000" for v in others))
+    choice = qdot.choose(qdot.time_variants(list(qdot._State.ops), reps=2))
+    assert {v for cells in choice.values() for v in cells.values()} == {"avx2"}
+    monkeypatch.setenv(qdot.TEST_DELAY_ENV, "avx2:3000")
+    choice = qdot.choose(qdot.time_variants(list(qdot._State.ops), reps=2))
+    assert "avx2" not in {v for cells in choice.values() for v in cells.values()}
+
+
+def test_choose_keeps_avx2_unless_another_variant_wins_by_the_margin():
+    timed = {"4": {"avx2": {str(m): 100.0 for m in qdot.ROWS},
+                   "avx512vnni": {str(m): 100.0 * (1 - qdot.MARGIN / 2) if m < 5 else 50.0 for m in qdot.ROWS}}}
+    cells = qdot.choose(timed)["4"]
+    assert [cells[str(m)] for m in qdot.ROWS] == ["avx2"] * 3 + ["avx512vnni"] * 3
+    assert qdot.describe_choice({"4": cells}) == "4-bit: avx2 at 1-4, avx512vnni at 5-17 rows"
+
+
+def test_the_choice_routes_each_row_count_and_is_described(monkeypatch):
+    monkeypatch.setattr(qdot._State, "choices", {})
+    monkeypatch.setenv("SPECMESH_QDOT", "avx2")
+    made = qdot.choice()
+    assert made["table"]["forced"] == "avx2"
+    assert all(op is qdot._State.ops["avx2"] for ops in made["by_bits"].values() for op in ops)
+    assert len(made["by_bits"][4]) == qdot.ROWS[-1] + 1  # one entry per row count; more rows take the last
+    assert "avx2 at 1-17 rows" in qdot.describe()["choice"]
