@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -296,8 +295,10 @@ def fastest_format(n: int, k: int, formats: tuple[str, ...]) -> str:
     key = {"what": "time_formats", "formats": list(formats), "shape": [n, k], "cpu": dispatch.cpu_model(),
            "flags": dispatch.cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "kernels": os.environ.get("SPECMESH_KERNELS", "auto"),
-           "libraries": [lib.library_path().name for lib in (kernels, q4)] + [qdot.library_path(v).name for v in qdot.runnable()]}  # a rebuilt kernel re-times
-    result, _ = dispatch.cached_json(kernels._cache_dir(), "auto-format", key, lambda: quant.time_formats(n, k, formats))
+           "libraries": [lib.library_path().name for lib in (kernels, q4)]  # a rebuilt kernel re-times
+                        + [qdot.library_path(v).name for v in qdot.runnable()]}
+    result, _ = dispatch.cached_json(kernels._cache_dir(), "auto-format", key,
+                                     lambda: quant.time_formats(n, k, formats))
     timed = ", ".join(f"{f} {result[f + '_us']}" for f in formats)
     print(f"specmesh: us per {n}x{k} product by rows, {timed} ({dispatch.cpu_model()}, "
           f"{torch.get_num_threads()} threads): {result['choice']}", file=sys.stderr, flush=True)

@@ -22,8 +22,8 @@ weights rotated past the cache) at `ROWS` and takes, per layout and row count, t
 variant must beat AVX2 by `MARGIN`); a row count between two timed ones takes the choice of the
 lower. Timed once per CPU model, flags, thread count, torch and library build (about a second),
 cached beside the libraries; `python -m specmesh.kernels --report` prints the table.
-`SPECMESH_QDOT=avx2|avx512vnni` forces one variant (no timing). Every output is a fixed sequence of operations whatever the other rows, the tiling or
-the thread count (batch invariance). This module knows codes and tensors, nothing of models.
+`SPECMESH_QDOT=avx2|avx512vnni` forces one variant (no timing). Every output is a fixed sequence
+of operations whatever the other rows, the tiling or the thread count (batch invariance). This module knows codes and tensors, nothing of models.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ TEST_DELAY_ENV = "SPECMESH_QDOT_TEST_DELAY_US"  # tests only: "variant:us", a va
 
 class _State:
     """Process-wide, like `specmesh.kernels._State`."""
-    op = None  # the AVX2 build: what `linear` runs before a choice is made
+    op = None  # the AVX2 build, set once it loaded: `available()`; `linear` runs what `choice()` picked
     ops: dict = {}  # variant name -> its op, for every variant this CPU runs
     choices: dict = {}  # torch thread count -> {"table": ..., "by_bits": {bits: [op per row count]}}
     tried = False
