@@ -67,11 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"drafter_service: {exc}", file=sys.stderr)
         return 2
-    import torch
-
     from drafter_service.server import serve
+    from specmesh import kernels
 
-    torch.set_num_threads(cfg.threads)
+    kernels.set_threads(cfg.threads)
     try:
         serve(cfg)
     except (ValueError, OSError) as exc:

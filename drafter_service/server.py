@@ -106,7 +106,11 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
 
 def serve(cfg: DrafterServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully. Prints the listening line once serving."""
+    from specmesh.runtime import fit_threads
+
     drafter, vocab_size = build_drafter(cfg)
+    model = getattr(drafter, "model", None)
+    threads = fit_threads(*[model] if isinstance(model, torch.nn.Module) else [])
     store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s)
     costs, recent = calibrated_costs(drafter, vocab_size), Acceptance()
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
@@ -119,7 +123,8 @@ def serve(cfg: DrafterServiceConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"drafter_service listening on {cfg.host}:{port}", flush=True)
-    log.info("drafter %s, at most %d sessions, idle timeout %gs", cfg.drafter, cfg.max_sessions, cfg.idle_timeout_s)
+    log.info("drafter %s, at most %d sessions, idle timeout %gs, threads %s", cfg.drafter, cfg.max_sessions,
+             cfg.idle_timeout_s, threads)
     sweep_every = min(MAX_SWEEP_INTERVAL_S, cfg.idle_timeout_s / 2)
     while not stop.wait(sweep_every):
         store.sweep()

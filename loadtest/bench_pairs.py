@@ -72,6 +72,7 @@ class Row(Config):
     shape: str = ""            # default | chain 4 | tree 8/4
     sampled: bool = False
     threads: int = 1
+    split: str = ""            # in-process: how `fit_threads` split the threads, e.g. "2 (kernels 2, torch ops 1)"
     status: str = "ok"         # else why the row has no numbers
     agree_prompts: int = 0     # peers: prompts whose greedy output equals the verifier's ...
     agree_tokens: int = 0      # ... and tokens of the common prefix, of ...
@@ -79,14 +80,14 @@ class Row(Config):
     runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
 
 
-def service_rows() -> list[Row]:
-    rows = [Row(AR, "tp1")]
+def service_rows(threads: int = 1) -> list[Row]:
+    rows = [Row(AR, "tp1", threads=threads)]
     for shape, budget, depth, fixed in (("default", 0, 0, False), ("chain 4", 4, 4, True), ("tree 8/4", 8, 4, True)):
         for pipe in (False, True):
             rows.append(Row(f"services {shape} pipelining {'on' if pipe else 'off'}", "tp1", "drafter", pipe,
-                            budget=budget, depth=depth, fixed=fixed, shape=shape))
+                            budget=budget, depth=depth, fixed=fixed, shape=shape, threads=threads))
     rows.append(Row(f"services default pipelining on, sampled T={TEMPERATURE}", "tp1", "drafter", True, budget=0,
-                    depth=0, shape="default", sampled=True))
+                    depth=0, shape="default", sampled=True, threads=threads))
     return rows
 
 
@@ -155,13 +156,18 @@ def load_tokenizer_of(pair: str):
 
 
 def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: frozenset[int], spec) -> list[int]:
+    from specmesh import kernels
+    from specmesh.runtime import fit_threads
     from specmesh.sampling import SamplingParams
 
     params = SamplingParams(TEMPERATURE, seed=SEED) if r.sampled else None
     if r.where == "tp1":
         return run_remote(r, address, ids, None, n, params, stop)
+    kernels.set_threads(r.threads)  # peers: torch at the whole budget
     if r.where == "inproc":
         model, drafter = r.runner
+        draft = getattr(drafter, "model", None)
+        r.split = fit_threads(model, *[draft] if isinstance(draft, torch.nn.Module) else [])
         return generate_inproc(r, model, ids, None, n, drafter, spec, params, stop)
     if r.where == "hf":
         return hf_timed(r, r.runner[0], ids, n, stop, r.runner[1])
@@ -184,7 +190,7 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = "float32", services_only: bool = False) -> dict:
+               dtype: str = "float32", services_only: bool = False, service_threads: int = 1) -> dict:
     """Start the pair's services (weights as `dtype`), run every row on every prompt (interleaved),
     stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
     weight format (the in-process fp32 rows beside another format report agreement only)."""
@@ -197,11 +203,12 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
     if dtype != "float32":
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
-    rows = service_rows() + ([] if services_only else loaded.rows)
+    rows = service_rows(service_threads) + ([] if services_only else loaded.rows)
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
-    procs = {"tp1": start("verifier_service", "--threads", "1", "--target", loaded.target, "--dtype", dtype),
-             "drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", "1",
+    st = str(service_threads)
+    procs = {"tp1": start("verifier_service", "--threads", st, "--target", loaded.target, "--dtype", dtype),
+             "drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", st,
                               "--dtype", dtype)}
     banner = next((line.strip() for line in procs["tp1"].lines if "listening on" in line), "")
     try:
@@ -244,7 +251,7 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
     out = []
     for r in rows:
         kind = {"tp1": "services", "inproc": "in-process", "hf": "transformers", "llama": "llama.cpp"}[r.where]
-        d: dict = {"name": r.name, "kind": kind, "threads": r.threads if r.where != "tp1" else "1 per service",
+        d: dict = {"name": r.name, "kind": kind, "threads": r.split or r.threads if r.where != "tp1" else f"{r.threads} per service",
                    "status": r.status}
         if r.status != "ok":
             out.append(d)
@@ -464,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 2 prompts x 12 tokens")
     ap.add_argument("--skip-peers", action="store_true", help="no transformers or llama.cpp rows")
     ap.add_argument("--services-only", action="store_true", help="only the services' rows (a quick probe)")
+    ap.add_argument("--service-threads", type=int, default=1,
+                    help="--threads of each service process (the verifier, the drafter); default 1")
     ap.add_argument("--dtype", default="float32",
                     help="the services' weights (verifier and drafter --dtype; auto: measured here), and "
                          "in-process rows in that format beside the fp32 ones")
@@ -478,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     if n_prompts < 1 or n < 1:
         ap.error("--prompts and --max-tokens must be >= 1")
     threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)  # this process runs the in-process and peer rows at the machine's threads
+    from specmesh import kernels
+
+    kernels.set_threads(threads)  # this process runs the in-process and peer rows at the machine's threads
     from specmesh.modelsets import model_path
     from specmesh.v1 import verifier_pb2
 
@@ -492,12 +503,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         report = bench_pair(pair, texts, n, threads, not (args.skip_peers or args.services_only),
                             log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
-                            services_only=args.services_only)
+                            services_only=args.services_only, service_threads=args.service_threads)
         report["checks"] = checks(report["results"])
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
     meta = base_meta() | machine_info() | {
-        "service_threads": "1 torch thread per service process (verifier, drafter)",
+        "service_threads": f"--threads {args.service_threads} per service process (verifier, drafter)",
         "in_process_threads": threads, "num_prompts": len(texts), "prompts": texts,
         "prompt_split": "heldout (specmesh.distill.prompts), chat template", "max_tokens": n,
         "stop": "the tokenizer's and generation config's EOS ids", "sampled_run": {"temperature": TEMPERATURE,

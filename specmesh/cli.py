@@ -125,12 +125,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specmesh.drafters import parse_drafter_spec, resolve_auto
     from specmesh.engine import SpecConfig, StopConditions, generate_stream, GenerationResult
-    from specmesh.runtime import encode_prompt, make_drafter, reference_continuation
+    from specmesh import kernels
+    from specmesh.runtime import encode_prompt, fit_threads, make_drafter, reference_continuation
     from specmesh.sampling import SamplingParams
     from specmesh.text import TextStream
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        kernels.set_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     params.validate()
     args.drafter = resolve_auto(args.drafter, args.target)
@@ -152,6 +153,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
         reference = reference_continuation(model, prompt_ids, stop)
     drafter = make_drafter(kind, arg, model, reference)
+    threads = fit_threads(model, *[m for m in [getattr(drafter, "model", None)] if isinstance(m, torch.nn.Module)])
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     res = GenerationResult()
     stream = TextStream(decode, stop.stop_strings)
@@ -162,7 +164,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tail = stream.finish()
     text = stream.shown
     stats = res.stats.to_dict() | {"finish_reason": res.finish_reason, "drafter": args.drafter,
-                                   "threads": torch.get_num_threads()}
+                                   "threads": kernels.pool_threads(), "thread_split": threads}
     if args.json:
         print(json.dumps({"text": text, "token_ids": res.token_ids, "stats": stats}))
     else:
@@ -180,7 +182,7 @@ def _summary(s: dict) -> str:
     return (f"[{s['drafter']}] {s['new_tokens']} tokens in {s['total_s']:.2f}s = {s['tokens_per_s']:.1f} tok/s | "
             f"steps {s['steps']}, drafted {s['drafted_tokens']}, accepted {s['accepted_tokens']} "
             f"(rate {s['acceptance_rate']:.2f}, {s['tokens_per_step']:.2f} tokens/step) | "
-            f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s | {s['threads']} threads | "
+            f"draft {s['draft_s']:.2f}s verify {s['verify_s']:.2f}s | threads {s['thread_split']} | "
             f"finish: {s['finish_reason']}")
 
 

@@ -218,6 +218,16 @@ def int4_kernel() -> str:
     return "specmesh-q4" if q4.available() else "torch-int4pack"
 
 
+POOL_KERNELS = ("specmesh-qdot", "specmesh-q4", "ggml")  # kernels that run on specmesh's own thread pool
+
+
+def products_on_pool(model: nn.Module) -> bool:
+    """True when every matrix product of `model` (its Linear layers) runs on a `POOL_KERNELS`
+    kernel, none on torch's GEMM: what `specmesh.runtime.fit_threads` asks."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    return bool(layers) and all(isinstance(m, QuantLinear) and m.kernel in POOL_KERNELS for m in layers)
+
+
 class QuantLinear(nn.Module):
     """A Linear in a non-fp32 format (`FORMATS`): fp32 in, fp32 out, `in_features`/`out_features`
     like nn.Linear. Build with `from_float` or `from_int4`. Each output row depends only on its own

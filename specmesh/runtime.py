@@ -17,6 +17,21 @@ from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
 
 
+def fit_threads(*models) -> str:
+    """Split this process's thread budget (`specmesh.kernels.set_threads`; else torch's thread
+    count) for the `models` it serves, and say how. When every matrix product of every model runs
+    on specmesh's kernel pool (a GGUF as shipped, `int4` on specmesh's kernel), the pool takes the
+    budget and torch's own ops (attention, norms, a few percent of a step) run on one thread:
+    torch's OpenMP workers, spinning after each of those small ops, otherwise hold the cores the
+    pool's next product needs (README, "Threads"). Otherwise torch takes the whole budget."""
+    from specmesh import kernels
+    from specmesh.quant import products_on_pool
+
+    budget = kernels.pool_threads()
+    kernels.set_threads(budget, 1 if models and all(products_on_pool(m) for m in models) else budget)
+    return kernels.describe_threads()
+
+
 def load_target(path: str | None):
     """(model, tokenizer) for a local path, or the bundled SmolLM2 when `path` is None."""
     p = path or bundled_target_path()

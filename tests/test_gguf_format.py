@@ -219,3 +219,35 @@ def test_a_drafter_is_requantized_to_4_bits_and_stays_a_drafter():
     plain = generate(target, ids, SamplingParams(), StopConditions(30)).token_ids
     out = generate(target, ids, SamplingParams(), StopConditions(30), ModelDrafter(draft), SpecConfig(8, 3)).token_ids
     assert out == plain
+
+
+@pytest.fixture
+def thread_budget():
+    from specmesh import kernels
+
+    before = torch.get_num_threads(), kernels._Threads.budget
+    yield kernels
+    torch.set_num_threads(before[0])
+    kernels._Threads.budget = before[1]
+
+
+def test_a_model_on_the_kernel_pool_takes_the_budget_and_torch_one_thread(thread_budget):
+    """`fit_threads`: every product on specmesh's pool -> the pool gets the budget, torch's own ops
+    one thread; any product left on torch's GEMM -> torch keeps the budget. Outputs do not change."""
+    from specmesh.runtime import fit_threads
+
+    kernels = thread_budget
+    pooled, ids = _tiny_gguf_target(), list(range(2, 12))
+    kernels.set_threads(1)
+    one = generate(pooled, ids, SamplingParams(), StopConditions(12)).token_ids
+    kernels.set_threads(2)
+    assert fit_threads(pooled) == "2 (kernels 2, torch ops 1)"
+    assert (torch.get_num_threads(), kernels.pool_threads()) == (1, 2)
+    assert generate(pooled, ids, SamplingParams(), StopConditions(12)).token_ids == one
+
+    mixed = _tiny_gguf_target()
+    mixed.lm_head = torch.nn.Linear(64, 128, bias=False)  # one product on torch's GEMM
+    assert fit_threads(mixed) == "2" and torch.get_num_threads() == 2
+    assert fit_threads(pooled, mixed) == "2" and fit_threads() == "2"
+    with pytest.raises(ValueError, match="torch_ops"):
+        kernels.set_threads(2, 3)

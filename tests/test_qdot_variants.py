@@ -37,7 +37,7 @@ def test_each_variant_computes_the_stated_arithmetic(variant, bits, superblocks)
     p, (q, scale, offset) = _layer(bits, 45, 512, superblocks, g)  # 45 rows: a pair of blocks, a lone block, padding
     x = torch.randn(11, 512, generator=g)
     want = _reference(x, q, scale, offset)
-    got = qdot._State.ops[variant](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s).double()
+    got = qdot._State.ops[variant](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, 1).double()
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
@@ -45,20 +45,15 @@ def test_each_variant_computes_the_stated_arithmetic(variant, bits, superblocks)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits,superblocks", [(4, True), (6, True), (8, False), (4, False)])
 def test_variants_give_bit_identical_rows_alone_and_together(bits, superblocks, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(100 + bits)
-        for n in (24, 40, 1000):  # block pairs only, pairs + a lone block, a thread split
-            p, _ = _layer(bits, n, 768, superblocks, g)
-            x = torch.randn(20, 768, generator=g)
-            ys = {v: op(x, p.codes, p.sb, p.sc, p.n, p.bits, p.s) for v, op in qdot._State.ops.items()}
-            for v, y in ys.items():
-                assert torch.equal(y, ys["avx2"]), (v, n)
-                for m in (1, 2, 5, 9, 17):  # a row alone, in a tree, in a batch: the same bits
-                    assert torch.equal(qdot._State.ops[v](x[:m], p.codes, p.sb, p.sc, p.n, p.bits, p.s), y[:m])
-    finally:
-        torch.set_num_threads(before)
+    g = torch.Generator().manual_seed(100 + bits)
+    for n in (24, 40, 1000):  # block pairs only, pairs + a lone block, a thread split
+        p, _ = _layer(bits, n, 768, superblocks, g)
+        x = torch.randn(20, 768, generator=g)
+        ys = {v: op(x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, threads) for v, op in qdot._State.ops.items()}
+        for v, y in ys.items():
+            assert torch.equal(y, ys["avx2"]), (v, n)
+            for m in (1, 2, 5, 9, 17):  # a row alone, in a tree, in a batch: the same bits
+                assert torch.equal(qdot._State.ops[v](x[:m], p.codes, p.sb, p.sc, p.n, p.bits, p.s, threads), y[:m])
 
 
 @SEVERAL

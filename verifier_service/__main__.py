@@ -15,10 +15,12 @@ from verifier_service.config import parse_args
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    torch.set_num_threads(cfg.threads)
     from specmesh import kernels
+
+    kernels.set_threads(cfg.threads)
     from specmesh.device import parse_dtype, resolve_device
     from specmesh.loader import bundled_target_path, load_model, load_tokenizer
+    from specmesh.runtime import fit_threads
     from verifier_service.server import build_server, serve_until_signal
     from verifier_service.turns import Verifier
 
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     else:
         model = load_model(path, dtype)
+        fit_threads(model)
         if batched and cfg.batching == "auto" and not kernels.describe()["batch_invariant"]:
             # batched rows must compute as they would alone; some weight shapes take torch's GEMM here
             print("verifier_service: batching off: this machine's products are not batch-invariant "
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = getattr(model, "weight_format", None)  # the model card: which weights, and what was requantized
     weights = fmt.describe() if fmt is not None else cfg.dtype
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {weights}, "
-          f"process group {backend}, threads/rank={cfg.threads}, batching {'on' if batched else 'off'})", flush=True)
+          f"process group {backend}, threads/rank={kernels.describe_threads()}, batching {'on' if batched else 'off'})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
         from router.register import advertised_address, model_name, start_heartbeat

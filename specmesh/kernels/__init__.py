@@ -42,6 +42,31 @@ _POOL = Path(__file__).with_name("pool.h")  # included by both kernels' sources
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 
+class _Threads:
+    budget = 0  # `set_threads`'s budget; 0: none given, the pool follows torch's thread count
+
+
+def set_threads(budget: int, torch_ops: int | None = None) -> None:
+    """This process's CPU thread budget: every product on specmesh's kernels may use `budget`
+    threads (one pool per kernel library, the caller's thread included), torch's own ops
+    `torch_ops` (default: `budget`; `specmesh.runtime.fit_threads` picks it for a model)."""
+    if budget < 1 or (torch_ops is not None and not 1 <= torch_ops <= budget):
+        raise ValueError(f"threads: need 1 <= torch_ops <= budget, got budget={budget} torch_ops={torch_ops}")
+    torch.set_num_threads(torch_ops or budget)
+    _Threads.budget = budget
+
+
+def pool_threads() -> int:
+    """Threads one product on specmesh's kernels may use: `set_threads`'s budget, else torch's count."""
+    return _Threads.budget or torch.get_num_threads()
+
+
+def describe_threads() -> str:
+    """The thread budget and its split, e.g. `1`, or `2 (kernels 2, torch ops 1)`."""
+    pool, ops = pool_threads(), torch.get_num_threads()
+    return f"{pool}" + (f" (kernels {pool}, torch ops {ops})" if ops != pool else "")
+
+
 class _State:
     """Process-wide, like torch's own backend settings: one dispatch table per process."""
     op = None  # torch.ops.specmesh.small_linear once loaded
@@ -149,7 +174,7 @@ def reason() -> str:
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel itself, whatever the dispatch table says (timing, tests)."""
-    y = _State.op(x, weight)
+    y = _State.op(x, weight, pool_threads())
     return y if bias is None else y + bias
 
 
@@ -191,5 +216,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or weight.shape in _State.torch_shapes
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    y = op(x, weight)
+    y = op(x, weight, pool_threads())
     return y if bias is None else y + bias

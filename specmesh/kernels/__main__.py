@@ -22,7 +22,7 @@ parser.add_argument("--bench", metavar="OUT.json", default=None,
                     help="kernel vs torch at 1 and 2 threads on Qwen2.5-1.5B shapes, written to OUT.json")
 args = parser.parse_args()
 if args.threads:
-    torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)
 if kernels.load():
     print(f"specmesh kernels: active ({kernels.library_path()}, dispatch {kernels.describe()['mode']})")
 else:

@@ -148,4 +148,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
     """y [M, N] = x [M, K] fp32 @ W.T for W the GGUF blocks w [N, row bytes] of ggml type `qtype`;
     call only when `supports(qtype, K)`."""
     vec_dot, from_float, x_row = _kernels(qtype, int(x.shape[-1]))
-    return _State.op(x, w, vec_dot, from_float, x_row)
+    return _State.op(x, w, vec_dot, from_float, x_row, _k.pool_threads())

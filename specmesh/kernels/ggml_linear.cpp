@@ -48,7 +48,7 @@ void chunk(const void* ctx, int64_t c) {
 }
 
 at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t vec_dot, int64_t from_float,
-                       int64_t x_row_bytes) {
+                       int64_t x_row_bytes, int64_t threads) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "ggml_linear: x fp32 CPU [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "ggml_linear: w [N, row bytes] uint8");
   const at::Tensor x = x_in.contiguous();
@@ -63,12 +63,13 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t vec_
   const int64_t rows = std::max<int64_t>(TILE, (32768 / std::max<int64_t>(1, w_row)) / TILE * TILE);
   const Product p{reinterpret_cast<vec_dot_t>(vec_dot), w.data_ptr<uint8_t>(), xq.data(), y.data_ptr<float>(),
                   M, K, N, w_row, x_row_bytes, rows};
-  specmesh_pool::parallel_chunks((N + rows - 1) / rows, &chunk, &p);
+  specmesh_pool::parallel_chunks((N + rows - 1) / rows, &chunk, &p, threads);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(specmesh_ggml, m) {
-  m.def("ggml_linear(Tensor x, Tensor w, int vec_dot, int from_float, int x_row_bytes) -> Tensor", &ggml_linear);
+  m.def("ggml_linear(Tensor x, Tensor w, int vec_dot, int from_float, int x_row_bytes, int threads) -> Tensor",
+        &ggml_linear);
 }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <pthread.h>
@@ -110,19 +111,19 @@ inline Pool& pool() {
 }
 
 
-// Runs run(ctx, c) for c in [0, chunks) on up to at::get_num_threads() threads.
-inline void parallel_chunks(int64_t chunks, void (*run)(const void*, int64_t), const void* ctx) {
+// Runs run(ctx, c) for c in [0, chunks) on up to `threads` threads (the caller's share of the
+// process's budget: `specmesh.kernels.pool_threads()`, passed by each op's caller).
+inline void parallel_chunks(int64_t chunks, void (*run)(const void*, int64_t), const void* ctx, int64_t threads) {
   Job job;
   job.chunks = chunks;
   job.run = run;
   job.ctx = ctx;
-  const int threads = at::get_num_threads();
   Pool& workers = pool();
   std::unique_lock<std::mutex> lock(*g_caller, std::try_to_lock);
   if (threads <= 1 || chunks <= 1 || !lock.owns_lock() || at::in_parallel_region()) {
     job.work();
   } else {
-    workers.run(job, threads);
+    workers.run(job, static_cast<int>(std::min<int64_t>(threads, 256)));
   }
 }
 

@@ -102,4 +102,4 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> PackedInt4
 
 def q4_linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int) -> torch.Tensor:
     """y [M, N] = x [M, K] fp32 @ W.T, W as `pack` left it; call only when `available()`."""
-    return _State.op(x, codes, sb, n)
+    return _State.op(x, codes, sb, n, _k.pool_threads())

@@ -136,7 +136,7 @@ void chunk(const void* ctx, int64_t c) {
   }
 }
 
-at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, int64_t N) {
+at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, int64_t N, int64_t threads) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "q4_linear: x fp32 CPU [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), G = K / GROUP, NB = (N + LANES - 1) / LANES;
   TORCH_CHECK(K % GROUP == 0, "q4_linear: K must be a multiple of 32");
@@ -164,10 +164,12 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::
   // Chunks of block pairs, ~64 KB of codes each: cheap to claim, many per thread.
   const int64_t pairs = (NB + 1) / 2;
   const Product p{X, XS, C, SB, Y, M, K, N, NB, std::max<int64_t>(1, 65536 / (K * 8))};
-  specmesh_pool::parallel_chunks((pairs + p.pairs_per_chunk - 1) / p.pairs_per_chunk, &chunk, &p);
+  specmesh_pool::parallel_chunks((pairs + p.pairs_per_chunk - 1) / p.pairs_per_chunk, &chunk, &p, threads);
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(specmesh_q4, m) { m.def("q4_linear(Tensor x, Tensor codes, Tensor sb, int n) -> Tensor", &q4_linear); }
+TORCH_LIBRARY(specmesh_q4, m) {
+  m.def("q4_linear(Tensor x, Tensor codes, Tensor sb, int n, int threads) -> Tensor", &q4_linear);
+}

@@ -60,7 +60,7 @@ class _State:
     """Process-wide, like `specmesh.kernels._State`."""
     op = None  # the AVX2 build, set once it loaded: `available()`; `linear` runs what `choice()` picked
     ops: dict = {}  # variant name -> its op, for every variant this CPU runs
-    choices: dict = {}  # torch thread count -> {"table": ..., "by_bits": {bits: [op per row count]}}
+    choices: dict = {}  # kernel thread count -> {"table": ..., "by_bits": {bits: [op per row count]}}
     tried = False
     reason = ""
 
@@ -150,6 +150,7 @@ def time_variants(variants: list[str], reps: int = 7) -> dict:
     import time
 
     delays = _test_delays()
+    threads = _k.pool_threads()
     g = torch.Generator().manual_seed(0)
     out: dict = {}
     for bits in (4, 6, 8):
@@ -163,7 +164,7 @@ def time_variants(variants: list[str], reps: int = 7) -> dict:
                     p = layers[i % len(layers)]
                     i += 1
                     t = time.perf_counter()
-                    _State.ops[v](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s)
+                    _State.ops[v](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, threads)
                     if delays.get(v):
                         time.sleep(delays[v])
                     if rep:  # the first round only warms up
@@ -184,9 +185,10 @@ def choose(timed: dict) -> dict[str, dict[str, str]]:
 
 
 def choice() -> dict:
-    """This process's choice at its torch thread count: {"table": {"timed", "choice", ...},
-    "by_bits": {bits: [op for row counts 0..ROWS[-1]]}}, timed now or read from the cache."""
-    threads = torch.get_num_threads()
+    """This process's choice at its kernel thread count (`specmesh.kernels.pool_threads`):
+    {"table": {"timed", "choice", ...}, "by_bits": {bits: [op for row counts 0..ROWS[-1]]}}, timed
+    now or read from the cache."""
+    threads = _k.pool_threads()
     if threads in _State.choices:
         return _State.choices[threads]
     variants = list(_State.ops)
@@ -241,7 +243,7 @@ def describe() -> dict:
     if not available():
         return {"active": False, "reason": reason()}
     table = choice()["table"]
-    return {"active": True, "variants": list(_State.ops), "threads": torch.get_num_threads(),
+    return {"active": True, "variants": list(_State.ops), "threads": _k.pool_threads(),
             "choice": describe_choice(table["choice"]), **({"timed_us": table["timed_us"]} if "timed_us" in table else {})}
 
 
@@ -342,5 +344,6 @@ def linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, sc: torch.Ten
     call only when `available()`."""
     if _State.op is None:
         load()
-    ops = (_State.choices.get(torch.get_num_threads()) or choice())["by_bits"][bits]
-    return ops[min(x.shape[0], len(ops) - 1)](x, codes, sb, sc, n, bits, s)
+    threads = _k.pool_threads()
+    ops = (_State.choices.get(threads) or choice())["by_bits"][bits]
+    return ops[min(x.shape[0], len(ops) - 1)](x, codes, sb, sc, n, bits, s, threads)

@@ -411,7 +411,7 @@ ChunkFn chunk_for(int64_t planes) {
 }
 
 at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, const at::Tensor& sc,
-                       int64_t N, int64_t bits, int64_t S) {
+                       int64_t N, int64_t bits, int64_t S, int64_t threads) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "qdot_linear: x fp32 CPU [M, K]");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qdot_linear: bits 4, 6 or 8");
   const int64_t M = x_in.size(0), K = x_in.size(1), GS = bits == 4 ? 32 : 16, G = K / GS, NB = (N + LANES - 1) / LANES;
@@ -470,7 +470,8 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), sb.data_ptr<float>(),
                   S ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
   specmesh_pool::parallel_chunks((NB + per - 1) / per,
-                                 bits == 4 ? chunk_for<4>(planes) : bits == 6 ? chunk_for<6>(planes) : chunk_for<8>(planes), &p);
+                                 bits == 4 ? chunk_for<4>(planes) : bits == 6 ? chunk_for<6>(planes) : chunk_for<8>(planes), &p,
+                                 threads);
   return y;
 }
 
@@ -478,5 +479,6 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
 
 #define QDOT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QDOT_NS before TORCH_LIBRARY pastes it
 QDOT_LIBRARY(QDOT_NS, m) {
-  m.def("qdot_linear(Tensor x, Tensor codes, Tensor sb, Tensor sc, int n, int bits, int s) -> Tensor", &qdot_linear);
+  m.def("qdot_linear(Tensor x, Tensor codes, Tensor sb, Tensor sc, int n, int bits, int s, int threads) -> Tensor",
+        &qdot_linear);
 }

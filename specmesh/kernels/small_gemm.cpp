@@ -81,7 +81,7 @@ struct Product {
   const float* X;
   const float* W;
   float* Y;
-  int64_t M, K, N, rows_per_chunk;
+  int64_t M, K, N, rows_per_chunk, threads;
 };
 
 template <int R, int T>
@@ -93,10 +93,10 @@ void chunk(const void* ctx, int64_t c) {
 
 template <int R, int T>
 void parallel_blocks(const Product& p) {
-  specmesh_pool::parallel_chunks((p.N / R * R + p.rows_per_chunk - 1) / p.rows_per_chunk, &chunk<R, T>, &p);
+  specmesh_pool::parallel_chunks((p.N / R * R + p.rows_per_chunk - 1) / p.rows_per_chunk, &chunk<R, T>, &p, p.threads);
 }
 
-at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w) {
+at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t threads) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "small_linear: shapes");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_linear: fp32 only");
   TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "small_linear: CPU, contiguous w");
@@ -108,7 +108,7 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w) {
   float* Y = y.data_ptr<float>();
   // Chunks of whole blocks, at least CHUNK_BYTES of weights each (a multiple of 4 rows).
   const int64_t rows_per_chunk = std::max<int64_t>(4, (CHUNK_BYTES / (K * 4) + 3) / 4 * 4);
-  const Product p{X, W, Y, M, K, N, rows_per_chunk};
+  const Product p{X, W, Y, M, K, N, rows_per_chunk, threads};
   if (M <= 3) {  // 4 weight rows x 3 input rows: 12 accumulators, one pass over the weights
     parallel_blocks<4, 3>(p);
     for (int64_t r = N / 4 * 4; r < N; ++r) block<1, 3>(X, W, Y, M, K, N, r, false);
@@ -121,4 +121,4 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w) {
 
 }  // namespace
 
-TORCH_LIBRARY(specmesh, m) { m.def("small_linear(Tensor x, Tensor w) -> Tensor", &small_linear); }
+TORCH_LIBRARY(specmesh, m) { m.def("small_linear(Tensor x, Tensor w, int threads) -> Tensor", &small_linear); }
