@@ -12,16 +12,24 @@ from specmesh.kernels import qdot
 from tests.test_gguf_format import _reference
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason=f"integer kernel unavailable: {qdot.reason()}")
+FORMS = [(4, "fp32"), (4, "super"), (6, "super"), (8, "fp32"), (4, "half1"), (6, "half2"), (8, "half2"), (8, "half1")]
 SEVERAL = pytest.mark.skipif(len(qdot.runnable()) < 2, reason="this CPU runs only the AVX2 build")
 
 
-def _layer(bits: int, n: int, k: int, superblocks: bool, g: torch.Generator) -> tuple[qdot.Packed, tuple]:
+def _layer(bits: int, n: int, k: int, form: str, g: torch.Generator) -> tuple[qdot.Packed, tuple]:
+    """A random layer in one (scale, bias) form: fp32 pairs, fp16 pairs per group (half1) or per
+    two groups (half2: a GGUF 32-block in 16-groups), or K-quant super-blocks (super)."""
     lo, hi = qdot.CODES[bits]
     q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int16)
     gs = qdot.GROUP[bits]
-    if not superblocks:
-        scale, offset = torch.rand(n, k // gs, generator=g) * 0.01, torch.randn(n, k // gs, generator=g) * 0.01
-        return qdot.pack(q, scale, offset, bits), (q, scale, offset)
+    if form != "super":
+        share = 2 if form == "half2" else 1
+        scale, offset = torch.rand(n, k // gs // share, generator=g) * 0.01, torch.randn(n, k // gs // share, generator=g) * 0.01
+        if form != "fp32":
+            scale, offset = (a.half().float().repeat_interleave(share, 1) for a in (scale, offset))
+        p = qdot.pack(q, scale, offset, bits)
+        assert (p.sb.dtype, p.s) == ((torch.float32, 0) if form == "fp32" else (torch.half, share))
+        return p, (q, scale, offset)
     d, dm = torch.rand(n, k // 256, generator=g) * 1e-3, -torch.rand(n, k // 256, generator=g) * 1e-3
     sc = torch.randint(-64, 64, (n, k // gs), generator=g, dtype=torch.int8)
     mn = None if bits == 6 else torch.randint(0, 64, (n, k // gs), generator=g, dtype=torch.int8)
@@ -31,10 +39,10 @@ def _layer(bits: int, n: int, k: int, superblocks: bool, g: torch.Generator) -> 
 
 
 @pytest.mark.parametrize("variant", qdot.runnable())
-@pytest.mark.parametrize("bits,superblocks", [(4, False), (4, True), (6, True), (8, False)])
-def test_each_variant_computes_the_stated_arithmetic(variant, bits, superblocks):
+@pytest.mark.parametrize("bits,form", FORMS)
+def test_each_variant_computes_the_stated_arithmetic(variant, bits, form):
     g = torch.Generator().manual_seed(bits)
-    p, (q, scale, offset) = _layer(bits, 45, 512, superblocks, g)  # 45 rows: a pair of blocks, a lone block, padding
+    p, (q, scale, offset) = _layer(bits, 45, 512, form, g)  # 45 rows: a pair of blocks, a lone block, padding
     x = torch.randn(11, 512, generator=g)
     want = _reference(x, q, scale, offset)
     got = qdot._State.ops[variant](x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, 1).double()
@@ -43,11 +51,11 @@ def test_each_variant_computes_the_stated_arithmetic(variant, bits, superblocks)
 
 @SEVERAL
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("bits,superblocks", [(4, True), (6, True), (8, False), (4, False)])
-def test_variants_give_bit_identical_rows_alone_and_together(bits, superblocks, threads):
+@pytest.mark.parametrize("bits,form", FORMS)
+def test_variants_give_bit_identical_rows_alone_and_together(bits, form, threads):
     g = torch.Generator().manual_seed(100 + bits)
     for n in (24, 40, 1000):  # block pairs only, pairs + a lone block, a thread split
-        p, _ = _layer(bits, n, 768, superblocks, g)
+        p, _ = _layer(bits, n, 768, form, g)
         x = torch.randn(20, 768, generator=g)
         ys = {v: op(x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, threads) for v, op in qdot._State.ops.items()}
         for v, y in ys.items():
@@ -83,3 +91,23 @@ def test_the_choice_routes_each_row_count_and_is_described(monkeypatch):
     assert all(op is qdot._State.ops["avx2"] for ops in made["by_bits"].values() for op in ops)
     assert len(made["by_bits"][4]) == qdot.ROWS[-1] + 1  # one entry per row count; more rows take the last
     assert "avx2 at 1-17 rows" in qdot.describe()["choice"]
+
+
+@pytest.mark.parametrize("bits,form", [(4, "half1"), (6, "half2"), (8, "half2")])
+def test_fp16_pairs_give_the_fp32_pairs_bits_in_fewer_bytes(bits, form):
+    """GGUF Q4_0/Q4_1 (4-bit), Q5_* (6-bit) and Q8_0 (8-bit) scales are fp16 values: held as fp16
+    pairs, shared by the two 16-groups of a 32-block, every output is the fp32 pairs' to the bit."""
+    g = torch.Generator().manual_seed(7)
+    p, (q, scale, offset) = _layer(bits, 40, 512, form, g)
+    nb = p.codes.shape[0]
+    by_block = lambda a: torch.nn.functional.pad(a, (0, 0, 0, nb * 8 - a.shape[0])).view(nb, 8, -1).permute(0, 2, 1)  # noqa: E731
+    fp32 = qdot.Packed(p.codes, torch.stack([by_block(scale), by_block(offset)], 2).contiguous(), p.sc, p.n, p.k, bits)
+    x = torch.randn(9, 512, generator=g)
+    for v, op in qdot._State.ops.items():
+        for threads in (1, 2):
+            assert torch.equal(op(x, p.codes, p.sb, p.sc, p.n, bits, p.s, threads),
+                               op(x, fp32.codes, fp32.sb, fp32.sc, fp32.n, bits, 0, threads)), (v, threads)
+    bits_per_weight = 8 * (p.codes.numel() + p.sb.numel() * 2) / (nb * 8 * 512)
+    assert bits_per_weight == {4: 5.0, 6: 7.0, 8: 9.0}[bits]  # fp32 pairs per 16-group: 6, 10, 12
+    uq, us, uo = qdot.unpack(p)
+    assert torch.equal(uq, q) and torch.equal(us, scale) and torch.equal(uo, offset)

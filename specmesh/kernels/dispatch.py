@@ -73,10 +73,11 @@ def cpu_flags() -> list[str]:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return sorted(f for f in line.split(":", 1)[1].split()
-                              if f in ("avx2", "fma") or f.startswith(("avx512", "amx")))
+                              if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "amx")))
     except OSError:
         pass
-    return [torch.backends.cpu.get_cpu_capability().lower()]
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    return ["avx2", "f16c", "fma"] if cap in ("avx2", "avx512") else [cap]  # every AVX2 CPU has FMA and F16C
 
 
 def _delays_us() -> dict[str, float]:

@@ -47,9 +47,9 @@ CODES = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}  # layout -> code range
 
 # name -> (extra compiler flags, /proc/cpuinfo flags it needs, its torch.ops namespace)
 VARIANTS = {
-    "avx2": ((), ("avx2", "fma"), "specmesh_qdot"),
-    "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-                   ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "specmesh_qdot_vnni"),
+    "avx2": (("-mf16c",), ("avx2", "fma", "f16c"), "specmesh_qdot"),
+    "avx512vnni": (("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+                   ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "specmesh_qdot_vnni"),
 }
 ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree + pending token, a 16-node tree
 MARGIN = 0.03  # another variant must be this much faster than AVX2 to take a (layout, rows) cell
@@ -68,8 +68,9 @@ class _State:
 @dataclass
 class Packed:
     """The kernel's weight layout: codes [N/8, K/GS, 128] uint8 (96 for bits 6); s 0: sb
-    [N/8, K/GS, 2, 8] fp32 (scale, bias); s > 0: sb [N/8, K/GS/s, 2, 8] fp32 (d, dm) and sc
-    [N/8, K/GS, P, 8] int8 (sc, and mn when P is 2)."""
+    [N/8, K/GS, 2, 8] fp32 (scale, bias); sb fp16: [N/8, K/GS/s, 2, 8] (scale, bias), one pair per
+    s groups, sc empty; else s > 0: sb [N/8, K/GS/s, 2, 8] fp32 (d, dm) and sc [N/8, K/GS, P, 8]
+    int8 (sc, and mn when P is 2)."""
     codes: torch.Tensor
     sb: torch.Tensor
     sc: torch.Tensor
@@ -102,6 +103,9 @@ def load() -> bool:
     forced = os.environ.get("SPECMESH_QDOT") or ""
     if forced and forced not in VARIANTS:
         raise ValueError(f"SPECMESH_QDOT: expected one of {', '.join(VARIANTS)}, got {forced!r}")
+    if "avx2" not in runnable():
+        _State.reason = f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}"
+        return False
     for variant in runnable():
         flags, _, namespace = VARIANTS[variant]
         try:
@@ -285,13 +289,26 @@ def _by_block(a: torch.Tensor, nb: int) -> torch.Tensor:
     return a.view(nb, LANES, -1).permute(0, 2, 1)
 
 
+def _fp16_exact(a: torch.Tensor) -> bool:
+    return bool(torch.equal(a.half().float(), a))
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int) -> Packed:
     """From w = q * scale + bias: q [N, K] integer codes in CODES[bits], scale and bias
-    [N, K / GROUP[bits]] fp32."""
+    [N, K / GROUP[bits]] fp32. Where every scale and bias is an fp16 value (GGUF Q4_0, Q4_1, Q5_*,
+    Q8_0: the file's own fp16 d and m), they are held as fp16 pairs, one per group or (s 2) per
+    two groups that share them (a 32-block in 16-groups): the same numbers in fewer bytes."""
     n, k = q.shape
     nb = -(-n // LANES)
-    sb = torch.stack([_by_block(scale.float(), nb), _by_block(bias.float(), nb)], 2).contiguous()  # [NB, G, 2, 8]
-    return Packed(_pack_codes(q, bits), sb, torch.empty(0, dtype=torch.int8), n, k, bits)
+    scale, bias, s = scale.float(), bias.float(), 0
+    if _fp16_exact(scale) and _fp16_exact(bias):
+        pairs = scale.shape[1] % 2 == 0 and torch.equal(scale[:, 0::2], scale[:, 1::2]) and torch.equal(
+            bias[:, 0::2], bias[:, 1::2])
+        s = 2 if pairs else 1
+        scale, bias = scale[:, ::s], bias[:, ::s]
+    sb = torch.stack([_by_block(scale, nb), _by_block(bias, nb)], 2)  # [NB, G (/ s), 2, 8]
+    sb = (sb.half() if s else sb).contiguous()
+    return Packed(_pack_codes(q, bits), sb, torch.empty(0, dtype=torch.int8), n, k, bits, s)
 
 
 def pack_super(q: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None,
@@ -330,6 +347,8 @@ def unpack(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = lambda a: a.permute(0, 2, 1).reshape(nb * LANES, -1)  # noqa: E731 - [NB, G, 8] -> [NB*8, G]
     if p.s == 0:
         scale, bias = rows(p.sb[:, :, 0]), rows(p.sb[:, :, 1])
+    elif p.sb.dtype == torch.half:
+        scale, bias = (rows(p.sb[:, :, j]).float().repeat_interleave(p.s, 1) for j in (0, 1))
     else:
         d, dm = (rows(p.sb[:, :, j]).repeat_interleave(p.s, 1) for j in (0, 1))
         sc = rows(p.sc[:, :, 0]).float()

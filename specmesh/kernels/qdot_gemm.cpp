@@ -6,8 +6,11 @@
 //   BITS 6: q in 0..63, GS 16 (GGUF Q6_K, Q5_0 / Q5_1 as pairs of 16-groups), a nibble plane and a
 //           2-bit plane, 6 bits a code;
 //   BITS 8: q in -128..127, GS 16 (GGUF Q8_0 as pairs of 16-groups), one signed byte a code.
-// Two ways to hold (scale, bias):
+// Three ways to hold (scale, bias):
 //   S 0: one fp32 pair per group;
+//   fp16 pairs (P 3, `HALF`): one fp16 pair per S groups (S 1, or 2: a GGUF 32-block split into two
+//        16-groups), for types whose scale and bias are fp16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
+//        the same numbers as fp32 pairs, a quarter to a half of their bytes;
 //   S > 0 (GGUF K-quants, the file's own form): per super-block of S groups an fp32 pair (d, dm), per
 //        group int8 multipliers (sc, mn): scale = d * sc, bias = dm * mn, each one fp32 product, as
 //        the file's dequantization computes it (Q4_K: 4.75 bits a weight, Q6_K: 6.75, as shipped).
@@ -35,6 +38,7 @@
 //   BITS 6: codes [N/8, K/16, 96]: with chunk c byte j as for BITS 8, bytes [32h, 32h + 32) hold chunk
 //           2h in the low nibble and 2h + 1 in the high, bytes [64, 96) chunk c's top 2 bits at bit 2c.
 //   S 0: sb [N/8, K/GS, 2, 8] float: the 8 rows' scales, then their biases.
+//   HALF: sb [N/8, K/GS/S, 2, 8] half, as for S 0.
 //   S > 0: sb [N/8, K/GS/S, 2, 8] float: d, then dm; sc [N/8, K/GS, P, 8] int8: sc, then mn.
 // Rows past N are zero padding.
 #include <ATen/ATen.h>
@@ -63,6 +67,7 @@ constexpr int XB = 32;    // activation quantization block
 // Software prefetch distance in groups (~3 KB of codes ahead): one row's product is bound by memory,
 // and the hardware prefetcher alone left the core waiting (1.1-1.2x slower decode steps).
 constexpr int PF = 24;
+constexpr int HALF = 3;  // P of fp16 (scale, bias) pairs
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -83,10 +88,15 @@ struct Product {
   const float* XS;   // [M, K / GS]: dx * sum of xq over the group
   const uint8_t* C;
   const float* SB;
+  const uint16_t* SH;  // HALF: the fp16 pairs
   const int8_t* SC;  // S > 0: the groups' multipliers
   float* Y;
   int64_t M, K, N, NB, blocks_per_chunk, S;
 };
+
+inline __m256 halves8(const uint16_t* p) {  // 8 fp16 -> 8 fp32 (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 fp32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -192,8 +202,8 @@ inline void rows_of(const Codes<BITS>& u, const Product& p, int64_t m, int64_t g
 }
 
 // One block of 8 output rows against activation rows [m0, m0 + MM), unrolled: each group's codes
-// unpacked once for all MM rows. P 0: fp32 pairs per group (S 0), else super-blocks with P planes
-// of multipliers.
+// unpacked once for all MM rows. P 0: fp32 pairs per group (S 0); HALF: fp16 pairs per S groups;
+// else super-blocks with P planes of multipliers.
 template <int BITS, int MM, int P>
 inline void tile(const Product& p, int64_t m0, int64_t b) {
   constexpr int GS = BITS == 4 ? 32 : 16;
@@ -202,18 +212,23 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
   for (int i = 0; i < MM; ++i) acc[i] = _mm256_setzero_ps();
   constexpr int CB = BITS == 6 ? 96 : 128;  // code bytes per group of a block
   const uint8_t* cb = p.C + b * G * CB;
-  const float* sbb = p.SB + b * (P ? G / p.S : G) * 2 * LANES;
-  const int8_t* scb = P ? p.SC + b * G * P * LANES : nullptr;
+  const float* sbb = P == HALF ? nullptr : p.SB + b * (P ? G / p.S : G) * 2 * LANES;
+  const uint16_t* shb = P == HALF ? p.SH + b * (G / p.S) * 2 * LANES : nullptr;
+  const int8_t* scb = P == 1 || P == 2 ? p.SC + b * G * P * LANES : nullptr;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = cb + g * CB;
     _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB + 64), _MM_HINT_T0);
     if constexpr (P == 0) _mm_prefetch(reinterpret_cast<const char*>(sbb + (g + PF) * 2 * LANES), _MM_HINT_T0);
+    if constexpr (P == HALF) _mm_prefetch(reinterpret_cast<const char*>(shb + (g + PF) / p.S * 2 * LANES), _MM_HINT_T0);
     const Codes<BITS> u(c);
     __m256 s, bias;
     if constexpr (P == 0) {
       s = _mm256_loadu_ps(sbb + g * 2 * LANES);
       bias = _mm256_loadu_ps(sbb + g * 2 * LANES + LANES);
+    } else if constexpr (P == HALF) {
+      s = halves8(shb + g / p.S * 2 * LANES);
+      bias = halves8(shb + g / p.S * 2 * LANES + LANES);
     } else {
       const float* dd = sbb + (g / p.S) * 2 * LANES;
       const __m256 sc = widen8(scb + g * P * LANES);
@@ -247,6 +262,11 @@ inline __m512i pair_bytes(const uint8_t* c0, const uint8_t* c1) {
 inline __m512 pair_floats(const float* a, const float* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+inline __m512 pair_halves(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 fp32
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
 inline __m512 pair_widen(const int8_t* a, const int8_t* b) {  // 8 + 8 int8 -> 16 fp32
@@ -311,15 +331,17 @@ template <int BITS, int MM, int P>
 inline void tile2(const Product& p, int64_t m0, int64_t b) {
   constexpr int GS = BITS == 4 ? 32 : 16;
   constexpr int CB = BITS == 6 ? 96 : 128;
-  const int64_t G = p.K / GS, XG = p.K / XB, SBG = (P ? G / p.S : G) * 2 * LANES;
+  const int64_t G = p.K / GS, XG = p.K / XB, SBG = (P ? G / p.S : G) * 2 * LANES;  // pairs' values a block
   __m512 acc[MM];
   for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* cb0 = p.C + b * G * CB;
   const uint8_t* cb1 = cb0 + G * CB;
-  const float* sb0 = p.SB + b * SBG;
-  const float* sb1 = sb0 + SBG;
-  const int8_t* sc0 = P ? p.SC + b * G * P * LANES : nullptr;
-  const int8_t* sc1 = P ? sc0 + G * P * LANES : nullptr;
+  const float* sb0 = P == HALF ? nullptr : p.SB + b * SBG;
+  const float* sb1 = P == HALF ? nullptr : sb0 + SBG;
+  const uint16_t* sh0 = P == HALF ? p.SH + b * SBG : nullptr;
+  const uint16_t* sh1 = P == HALF ? sh0 + SBG : nullptr;
+  const int8_t* sc0 = P == 1 || P == 2 ? p.SC + b * G * P * LANES : nullptr;
+  const int8_t* sc1 = P == 1 || P == 2 ? sc0 + G * P * LANES : nullptr;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c0 = cb0 + g * CB;
     const uint8_t* c1 = cb1 + g * CB;
@@ -330,12 +352,19 @@ inline void tile2(const Product& p, int64_t m0, int64_t b) {
     if constexpr (P == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(sb0 + (g + PF) * 2 * LANES), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(sb1 + (g + PF) * 2 * LANES), _MM_HINT_T0);
+    } else if constexpr (P == HALF) {
+      _mm_prefetch(reinterpret_cast<const char*>(sh0 + (g + PF) / p.S * 2 * LANES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sh1 + (g + PF) / p.S * 2 * LANES), _MM_HINT_T0);
     }
     const Codes2<BITS> u(c0, c1);
     __m512 s, bias;
     if constexpr (P == 0) {
       s = pair_floats(sb0 + g * 2 * LANES, sb1 + g * 2 * LANES);
       bias = pair_floats(sb0 + g * 2 * LANES + LANES, sb1 + g * 2 * LANES + LANES);
+    } else if constexpr (P == HALF) {
+      const int64_t o = g / p.S * 2 * LANES;
+      s = pair_halves(sh0 + o, sh1 + o);
+      bias = pair_halves(sh0 + o + LANES, sh1 + o + LANES);
     } else {
       const int64_t o = (g / p.S) * 2 * LANES;
       const __m512 sc = pair_widen(sc0 + g * P * LANES, sc1 + g * P * LANES);
@@ -407,7 +436,7 @@ using ChunkFn = void (*)(const void*, int64_t);
 
 template <int BITS>
 ChunkFn chunk_for(int64_t planes) {
-  return planes == 0 ? &chunk<BITS, 0> : planes == 1 ? &chunk<BITS, 1> : &chunk<BITS, 2>;
+  return planes == 0 ? &chunk<BITS, 0> : planes == 1 ? &chunk<BITS, 1> : planes == 2 ? &chunk<BITS, 2> : &chunk<BITS, HALF>;
 }
 
 at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, const at::Tensor& sc,
@@ -419,11 +448,13 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == NB * G * (bits == 6 ? 96 : 128),
               "qdot_linear: codes [N/8, K/GS, 128] uint8 (96 for bits 6)");
   TORCH_CHECK(S >= 0 && (S == 0 || G % S == 0), "qdot_linear: S must divide K/GS");
-  const int64_t planes = S == 0 ? 0 : sc.numel() / std::max<int64_t>(1, NB * G * LANES);
-  TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == NB * (S ? G / S : G) * 2 * LANES,
-              "qdot_linear: sb [N/8, K/GS (/ S), 2, 8] float");
-  TORCH_CHECK(S == 0 || (sc.scalar_type() == at::kChar && sc.is_contiguous() && (planes == 1 || planes == 2) &&
-                         sc.numel() == NB * G * planes * LANES),
+  const bool half = sb.scalar_type() == at::kHalf;
+  const int64_t planes = half ? HALF : S == 0 ? 0 : sc.numel() / std::max<int64_t>(1, NB * G * LANES);
+  TORCH_CHECK((sb.scalar_type() == at::kFloat || (half && S > 0)) && sb.is_contiguous() &&
+                  sb.numel() == NB * (S ? G / S : G) * 2 * LANES,
+              "qdot_linear: sb [N/8, K/GS (/ S), 2, 8] float, or half with S > 0");
+  TORCH_CHECK(S == 0 || half || (sc.scalar_type() == at::kChar && sc.is_contiguous() && (planes == 1 || planes == 2) &&
+                                 sc.numel() == NB * G * planes * LANES),
               "qdot_linear: sc [N/8, K/GS, 1 or 2, 8] int8");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -467,8 +498,9 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   }
   // ~32 KB of codes a chunk: cheap to claim, many per thread.
   const int64_t per = 2 * std::max<int64_t>(1, 16384 / (G * 128));  // even: the AVX-512 build takes blocks in pairs
-  const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), sb.data_ptr<float>(),
-                  S ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
+  const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), half ? nullptr : sb.data_ptr<float>(),
+                  half ? reinterpret_cast<const uint16_t*>(sb.data_ptr<at::Half>()) : nullptr,
+                  S && !half ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
   specmesh_pool::parallel_chunks((NB + per - 1) / per,
                                  bits == 4 ? chunk_for<4>(planes) : bits == 6 ? chunk_for<6>(planes) : chunk_for<8>(planes), &p,
                                  threads);
