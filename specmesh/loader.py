@@ -342,16 +342,19 @@ def auto_format(path: str | os.PathLike) -> torch.dtype | str:
 
 def requantize_to_4bit(model: Transformer) -> Transformer:
     """Turn a `gguf` model's wider layers (Q5_0, Q6_K, Q8_0, ggml's types) into 4-bit codes on the
-    integer kernel, in place: fewer bytes per token where decoding is bandwidth-bound. Named in
-    the model card (`requantized`). For drafters only: it changes the numerics."""
+    integer kernel, in place: fewer bytes per token where decoding is bandwidth-bound. Scales and
+    offsets are rounded to fp16 (the kernel then holds them as fp16 pairs: 5 bits a weight, not 6).
+    Named in the model card (`requantized`). For drafters only: it changes the numerics."""
     from specmesh.quant import QuantLinear, quantize_int4
 
     info = model.weight_format
     for name, m in list(model.named_modules()):
         if isinstance(m, QuantLinear) and m.fmt == "gguf" and getattr(m, "bits", 0) != 4 and m.in_features % 32 == 0:
             c = quantize_int4(m.dequantized())
+            scale = c.scale.half().float()
+            offset = (c.zero - 8 * c.scale).half().float()  # the group's minimum
             parent, child = name.rsplit(".", 1) if "." in name else ("", name)
-            setattr(model.get_submodule(parent), child, QuantLinear.from_codes(c.q, c.scale, c.zero - 8 * c.scale, 4, m.bias))
+            setattr(model.get_submodule(parent), child, QuantLinear.from_codes(c.q, scale, offset, 4, m.bias))
             info.requantize_shipped(m.kernel, m.source)
     return model
 

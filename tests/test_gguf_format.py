@@ -214,6 +214,7 @@ def test_a_drafter_is_requantized_to_4_bits_and_stays_a_drafter():
 
     target, draft = _tiny_gguf_target(), requantize_to_4bit(_tiny_gguf_target(seed=6))
     assert all(m.bits == 4 for m in draft.modules() if isinstance(m, QuantLinear))
+    assert draft.lm_head.qd_sb.dtype == torch.half  # fp16 pairs: 5 bits a weight
     assert draft.weight_format.describe() == "gguf (specmesh-qdot: 14 Q4_0; requantized: 1 Q8_0)"
     ids = list(range(2, 12)) * 2
     plain = generate(target, ids, SamplingParams(), StopConditions(30)).token_ids
