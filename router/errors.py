@@ -46,12 +46,14 @@ NO_RETRY = ("x-should-retry", "false")
 
 
 class RouterError(Exception):
-    def __init__(self, kind: Kind, message: str, code: str | None = None, final: bool = False) -> None:
+    def __init__(self, kind: Kind, message: str, code: str | None = None, final: bool = False,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.code = code  # OpenAI `error.code` (e.g. the limit's name); None = unset
         self.final = final  # retrying soon will not help (e.g. a quota): NO_RETRY goes with it
+        self.param = param  # the request field at fault where it is not `code` (an unknown model: "model")
 
     @property
     def headers(self) -> tuple[tuple[str, str], ...]:
@@ -66,7 +68,7 @@ class RouterError(Exception):
         return STATUS[self.kind][1]
 
     def openai_body(self) -> dict:
-        param = self.code if self.kind is Kind.INVALID else None  # OpenAI: the offending parameter
+        param = self.param or (self.code if self.kind is Kind.INVALID else None)  # OpenAI: the offending parameter
         return {"error": {"message": self.message, "type": STATUS[self.kind][2], "param": param, "code": self.code}}
 
 

@@ -13,10 +13,20 @@ Errors are OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}) w
 404 / 409 / 429 / 503; an error after a stream started is sent as an SSE `error` event.
 Every request field is checked at this edge: unknown fields, wrong types, integers past what the
 field carries, strings that are not valid Unicode, unknown message roles or message fields and JSON
-nested too deep each get a 400 naming the field. OpenAI fields specmesh does not implement (n,
-best_of, suffix, tools, functions, tool_choice, parallel_tool_calls) are accepted only at the
-value that changes nothing (n = 1, ...), refused otherwise; `top_p: 0` is refused (the
-narrowest nucleus is not expressible as the proto's unset 0).
+nested too deep each get a 400 naming the field. OpenAI fields specmesh does not implement (suffix,
+tools, functions, tool_choice, parallel_tool_calls) are accepted only at the value that changes
+nothing (suffix "", ...), refused otherwise; `top_p: 0` is refused (the narrowest nucleus is not
+expressible as the proto's unset 0).
+
+Several samples (`n`, and completions' `best_of`, up to MAX_N): independent samples of the same
+request, one after another in one session, so the verifier prefills the prompt once and each next
+sample keeps its KV (router.turns: the shared prefix is kept). With a `seed`, sample i uses seed + i
+(mod 2^64); without one each is seeded at random. The request's session (X-Session-ID / `user`)
+is that session, holding the last sample afterwards; without one a private session is opened and
+closed. `best_of` > n returns the n samples with the highest mean log-probability per token (the
+target's raw logprobs, OpenAI's rule), best first, and cannot be streamed; a stream sends each
+sample's chunks under its `index`, sample after sample. Usage counts the prompt once and every
+sampled token (best_of's too).
 
 Penalties (specmesh.sampling.Penalizer; part of the target distribution, so output stays lossless
 under speculation): OpenAI's `presence_penalty`, `frequency_penalty` (over this request's output)
@@ -38,6 +48,7 @@ request with echo and logprobs prefills its whole prompt (no KV reuse of a sessi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -66,21 +77,14 @@ MESSAGE_FIELDS = ("role", "content")
 # OpenAI fields specmesh does not implement are accepted only at the value that changes nothing.
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
             "ignore_eos", "speculation", "user", "stream", "stream_options", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
-ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt", "logprobs", "echo", "structured_outputs"},
+            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n"}
+ENDPOINT_FIELDS = {"completions": HONOURED | {"prompt", "logprobs", "echo", "structured_outputs", "best_of"},
                    "chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                        "response_format", "structured_outputs"}}
 LOGPROB_FLOOR = -9999.0  # a probability that underflowed to 0: JSON has no -Infinity (vLLM's choice too)
+MAX_N = 16  # samples per request (n, best_of); OpenAI allows 128, vLLM sets no bound
 
-
-def _one(v) -> bool:
-    return v is None or (v == 1 and not isinstance(v, bool))
-
-
-BOTH = ("completions", "chat")
 NEUTRAL_ONLY = {  # field -> (endpoints, the value accepted as said in the 400, whether a value is it)
-    "n": (BOTH, "1", _one),
-    "best_of": (("completions",), "1", _one),
     "suffix": (("completions",), '""', lambda v: v is None or v == ""),
     "tools": (("chat",), "[]", lambda v: v is None or v == []),
     "functions": (("chat",), "[]", lambda v: v is None or v == []),
@@ -258,6 +262,22 @@ def _token_list(value, name: str) -> list[int]:
     return value
 
 
+def _samples(body: dict, stream: bool) -> tuple[int, int]:
+    """(n, best_of): the samples returned and the samples drawn."""
+    n = _int(body, "n", 1, MAX_N, 1)
+    best_of = _int(body, "best_of", 1, MAX_N, n)
+    if best_of < n:
+        raise invalid("best_of", f"must be >= n ({n}), got {best_of}")
+    if stream and best_of > n:
+        raise invalid("best_of", "a stream sends every sample: best_of must equal n when streaming")
+    return n, best_of
+
+
+def _mean_logprob(lps: list[verifier_pb2.TokenLogprob]) -> float:
+    known = [lp.logprob for lp in lps if lp.HasField("logprob")]
+    return sum(known) / len(known) if known else 0.0
+
+
 def _message(m, i: int) -> dict:
     """One chat message, {role, content}: roles the template renders, text content only."""
     where = f"messages[{i}]"
@@ -310,7 +330,7 @@ class OpenAIApi:
         model = _field(body, "model", str, "")
         if model and model != self.router.model_name:
             raise RouterError(Kind.NOT_FOUND, f"model: {model!r} does not exist; this router serves "
-                                              f"{self.router.model_name!r}", code="model_not_found")
+                                              f"{self.router.model_name!r}", code="model_not_found", param="model")
         return body, key
 
     def _turn(self, request: web.Request, body: dict, key: str, ids: list[int], default_max_tokens: int,
@@ -401,59 +421,94 @@ class OpenAIApi:
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise invalid("stream_options.include_usage", f"wrong type {type(include_usage).__name__}")
-        async with aclosing(self.router.run(turn)) as events:
-            try:
-                first = await anext(events)  # errors before the first event are plain HTTP errors
-            except RouterError as e:
-                if e.code == "token_ids":  # the verifier's name for what this request sent as
-                    e.code = "messages" if chat else "prompt"
-                raise
-            wanted = turn.template.HasField("logprobs")
-            shown = _Logprobs(self.router.pieces, chat)
+        n, best_of = _samples(body, stream)
+        wanted = turn.template.HasField("logprobs")
+        if best_of > n and not wanted:
+            turn.template.logprobs = 0  # ranked by the sampled tokens' logprobs, not shown
+        private = best_of > 1 and not turn.session_id  # the samples share a session: one prefill
+        turns = _sample_turns(turn, best_of, f"samples-{rid}" if private else turn.session_id)
+        try:
             if not stream:
-                text, lps, done = [echo or ""], [], first
-                while isinstance(done, Delta):
-                    lps += done.prompt_logprobs or []
-                    lps += done.logprobs
-                    text.append(done.text)
-                    done = await anext(events)
-                choice = {"index": 0, "finish_reason": done.finish_reason,
-                          "logprobs": shown.render(lps) if wanted else None}
-                choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat
-                              else {"text": "".join(text)})
-                return web.json_response({**head, "choices": [choice], "usage": _usage(done),
-                                          "specmesh": _extras(done)})
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            head["object"] = "chat.completion.chunk" if chat else "text_completion"
-            if chat:
-                await _sse(resp, {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]})
-            ev = first
-            try:
-                while True:
-                    if isinstance(ev, Done):
-                        last = {"index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
-                        last.update({"delta": {}} if chat else {"text": ""})
-                        await _sse(resp, {**head, "choices": [last], "specmesh": _extras(ev)})
-                        if include_usage:
-                            await _sse(resp, {**head, "choices": [], "usage": _usage(ev)})
-                        break
-                    text, lps = ev.text, ev.logprobs
-                    if echo is not None:  # the echoed prompt (with its logprobs, the first event's) comes first
-                        text, echo = echo + text, None
-                        lps = (ev.prompt_logprobs or []) + lps
-                    if text or lps:
-                        piece = {"delta": {"content": text}} if chat else {"text": text}
-                        await _sse(resp, {**head, "choices": [{"index": 0, "finish_reason": None, **piece,
-                                                                "logprobs": shown.render(lps) if wanted else None}]})
-                    ev = await anext(events)
-            except RouterError as e:
-                request[OUTCOME] = e.kind.value
-                await _sse(resp, e.openai_body())
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
+                samples = [await self._collect(t, chat, echo) for t in turns]
+                order = sorted(range(best_of), key=lambda i: -_mean_logprob(samples[i][1]))[:n] if best_of > n \
+                    else list(range(n))
+                choices = []
+                for index, i in enumerate(order):
+                    text, lps, done = samples[i]
+                    choice = {"index": index, "finish_reason": done.finish_reason,
+                              "logprobs": _Logprobs(self.router.pieces, chat).render(lps) if wanted else None}
+                    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+                    choices.append(choice)
+                dones = [d for _, _, d in samples]
+                return web.json_response({**head, "choices": choices, "usage": _usage(dones),
+                                          "specmesh": _extras(dones)})
+            return await self._stream(request, head, turns, chat, echo, wanted, include_usage)
+        finally:
+            if private:
+                await self.router.close_session(turns[0].session_id, turn.key_id)
+
+    async def _first(self, events, chat: bool):
+        """A turn's first event; its errors as the HTTP layer names them."""
+        try:
+            return await anext(events)
+        except RouterError as e:
+            if e.code == "token_ids":  # the verifier's name for what this request sent as
+                e.code = "messages" if chat else "prompt"
+            raise
+
+    async def _collect(self, turn: TurnRequest, chat: bool, echo: str | None) -> tuple[str, list, Done]:
+        """One whole sample: (text, logprobs: the echoed prompt's first, Done)."""
+        async with aclosing(self.router.run(turn)) as events:
+            text, lps, ev = [echo or ""], [], await self._first(events, chat)
+            while isinstance(ev, Delta):
+                lps += ev.prompt_logprobs or []
+                lps += ev.logprobs
+                text.append(ev.text)
+                ev = await anext(events)
+            return "".join(text), lps, ev
+
+    async def _stream(self, request: web.Request, head: dict, turns: list[TurnRequest], chat: bool,
+                      echo: str | None, wanted: bool, include_usage: bool) -> web.StreamResponse:
+        """SSE: each sample's chunks under its index, one sample after another. Errors before the
+        first event are plain HTTP errors; later ones an SSE `error` event."""
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        resp, dones = None, []
+        try:
+            for index, turn in enumerate(turns):
+                async with aclosing(self.router.run(turn)) as events:
+                    ev = await self._first(events, chat)
+                    if resp is None:
+                        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
+                        await resp.prepare(request)
+                    if chat:
+                        await _sse(resp, {**head, "choices": [{"index": index, "finish_reason": None, "logprobs": None,
+                                                                "delta": {"role": "assistant", "content": ""}}]})
+                    shown, shown_echo = _Logprobs(self.router.pieces, chat), echo
+                    while not isinstance(ev, Done):
+                        text, lps = ev.text, ev.logprobs
+                        if shown_echo is not None:  # the echoed prompt (with its logprobs, the first event's) first
+                            text, shown_echo = shown_echo + text, None
+                            lps = (ev.prompt_logprobs or []) + lps
+                        if text or lps:
+                            piece = {"delta": {"content": text}} if chat else {"text": text}
+                            await _sse(resp, {**head, "choices": [{"index": index, "finish_reason": None, **piece,
+                                                                    "logprobs": shown.render(lps) if wanted else None}]})
+                        ev = await anext(events)
+                    last = {"index": index, "logprobs": None, "finish_reason": ev.finish_reason}
+                    last.update({"delta": {}} if chat else {"text": ""})
+                    await _sse(resp, {**head, "choices": [last], "specmesh": _extras([ev])})
+                    dones.append(ev)
+            if include_usage:
+                await _sse(resp, {**head, "choices": [], "usage": _usage(dones)})
+        except RouterError as e:
+            if resp is None:
+                raise
+            request[OUTCOME] = e.kind.value
+            await _sse(resp, e.openai_body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def models(self, request: web.Request) -> web.Response:
         self.router.authenticate(request.headers.get("Authorization"))
@@ -508,15 +563,32 @@ def _floor(logprob: float) -> float:
     return max(float(logprob), LOGPROB_FLOOR)
 
 
-def _usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens}}
+def _usage(dones: list[Done]) -> dict:
+    """The prompt once (the first sample's, as cached then), every sample's tokens."""
+    prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": dones[0].cached_prompt_tokens}}
 
 
-def _extras(done: Done) -> dict:
-    return {"speculation": MessageToDict(done.speculation, always_print_fields_with_no_presence=True,
-                                         preserving_proto_field_name=True)}
+def _extras(dones: list[Done]) -> dict:
+    """The speculation stats: one sample's, or a list, one per sample drawn in order."""
+    stats = [MessageToDict(d.speculation, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+             for d in dones]
+    return {"speculation": stats[0] if len(stats) == 1 else stats}
+
+
+def _sample_turns(turn: TurnRequest, count: int, session_id: str) -> list[TurnRequest]:
+    """`count` copies of `turn` in session `session_id`, sample i seeded with seed + i when seeded."""
+    if count == 1:
+        return [turn]
+    out = []
+    for i in range(count):
+        template = verifier_pb2.GenerateRequest()
+        template.CopyFrom(turn.template)
+        if template.sampling.HasField("seed"):
+            template.sampling.seed = (template.sampling.seed + i) % (UINT64_MAX + 1)
+        out.append(dataclasses.replace(turn, session_id=session_id, template=template))
+    return out
 
 
 async def _sse(resp: web.StreamResponse, obj: dict) -> None:

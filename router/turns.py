@@ -16,7 +16,8 @@ from the verifiers, and stops are checked here too, so a stop straddling the mov
 
 Input modes: `full_context=False` (gRPC): `ids` are appended to the session. `full_context=True`
 (OpenAI API, stateless by contract): `ids` are the whole context; when the stored history is a
-prefix of it only the rest is sent (KV reuse), otherwise the session is rebuilt from `ids`.
+prefix of it only the rest is sent (KV reuse), otherwise the history is replaced by `ids` and the
+verifier keeps the KV of the prefix both share (a regenerated answer, the next of n samples).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from router.errors import Kind, RouterError, client_fault, field_of, invalid
 from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
 from router.state import RouterState, StateUnavailable
-from specmesh.text import Stops, TextStream, TokenPieces, first_stop
+from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, first_stop
 from specmesh.tls import peer_channel
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -226,10 +227,12 @@ class Router:
         # 1. what the verifier must hold before generating: `base` (kept history) + `new`
         t = _Turn(req, sid, base=history, new=req.ids, text=TextStream(self.decode, req.stops.strings),
                   history=_History.OK if not sid else _History.NONE)  # one-shot turns keep nothing
-        if req.full_context and req.ids[: len(history)] != history:
-            t.base, t.replace = [], True
-        elif req.full_context and req.template.prompt_logprobs:
+        if req.full_context and req.template.prompt_logprobs:
             t.base, t.replace = [], True  # every prompt token's logprob: the whole context is prefilled
+        elif req.full_context and req.ids[: len(history)] != history:
+            # the verifier keeps the shared prefix's KV (at least one token is sent as new)
+            keep = min(common_prefix(history, req.ids), len(req.ids) - 1)
+            t.base, t.new, t.replace = req.ids[:keep], req.ids[keep:], True
         elif req.full_context:
             t.new = req.ids[len(history):]
         if t.context == 0:

@@ -178,6 +178,8 @@ class TargetSession:
         assert 1 <= num_tokens <= len(self.tokens)
         self.tokens = self.tokens[:num_tokens]
         self.cache.truncate(num_tokens - 1)
+        if self._features is not None:
+            self._features.truncate(num_tokens - 1)
         self.pending = self.tokens[-1]
 
 

@@ -149,3 +149,12 @@ class TokenPieces:
         except UnicodeDecodeError:
             text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return text, list(raw)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

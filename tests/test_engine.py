@@ -239,3 +239,33 @@ def test_measure_steps_times_each_row_count() -> None:
     points = measure_steps(Transformer(cfg, inv_freq).eval(), rounds=2)
     assert [r for r, _ in points] == list(STEP_ROWS)
     assert all(0 < s < 5 for _, s in points)
+
+
+def test_rollback_to_a_prefix_continues_as_a_session_started_there() -> None:
+    """`TargetSession.rollback` (the verifier keeps a shared prefix's KV for a regenerated answer or
+    the next of n samples): extending the rolled-back session gives the logits, next tokens and
+    kept target features of a session prefilled from that prefix."""
+    from specmesh.engine import TargetSession
+    from specmesh.model import ModelConfig, Transformer
+    from specmesh.sampling import make_generator
+
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    model = Transformer(cfg, inv_freq).eval()
+    prompt, params = [5, 9, 2, 7, 1, 3], SamplingParams()
+    held = TargetSession(model, prompt, features=True)
+    for _ in range(4):
+        held.step(DraftTree.empty(), params, make_generator(params))
+    held.rollback(len(prompt) - 1)
+    fresh = TargetSession(model, prompt[:-1], features=True)
+    assert held.tokens == fresh.tokens and torch.equal(held.features, fresh.features)  # nothing new yet
+    for t in (held, fresh):
+        t.extend(prompt[-1:])
+    assert held.tokens == fresh.tokens and torch.equal(held.features, fresh.features)
+    for _ in range(3):
+        a, b = (t.step(DraftTree.empty(), params, make_generator(params))[1] for t in (held, fresh))
+        assert a == b
+    assert torch.equal(held.features, fresh.features)

@@ -24,7 +24,7 @@ import uuid
 import grpc
 
 from specmesh.convert import FEATURE_DIM_KEY, features_to_pb, sampling_to_pb, tree_from_pb
-from specmesh.drafters.base import common_prefix
+from specmesh.text import common_prefix
 from specmesh.drafters.predraft import PREDRAFT_MAX_BUDGET, next_tree_from
 from specmesh.engine import MAX_DEPTH, SpecConfig, TargetSession
 from specmesh.sampling import SamplingParams, VerifyResult

@@ -111,10 +111,14 @@ class Verifier:
     def _place(self, session, turn: Turn, out: Outcome) -> tuple[TargetSession, list[TokenLogprob] | None]:
         """The session's target holding the turn's context, and the input tokens' logprobs when
         the turn asked for them."""
-        # 1. reuse the held KV cache where it matches, else rebuild from the history
+        # 1. reuse the held KV cache where it matches (the history is what it holds, or a prefix
+        # of it: a regenerated answer, the next of n samples), else rebuild from the history
         lps = turn.logprobs if turn.prompt_logprobs else None
         t = session.target
-        if turn.history is not None and (t is None or t.tokens != turn.history):
+        if turn.history and t is not None and t.tokens[:len(turn.history)] == turn.history:
+            if len(t.tokens) > len(turn.history):
+                t.rollback(len(turn.history))
+        elif turn.history is not None and (t is None or t.tokens != turn.history):
             t = session.target = None
         if t is None:
             context = (turn.history or []) + turn.new_ids

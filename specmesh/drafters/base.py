@@ -275,13 +275,6 @@ class ManyDraftSession(DraftSession, Protocol):
         grown as `draft` would grow it there with `exclude_root=excludes[i]`. The context stays."""
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class ContextSession:

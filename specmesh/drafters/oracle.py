@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, ContextSession, common_prefix, grow_trees
+from specmesh.drafters.base import Children, ContextSession, grow_trees
+from specmesh.text import common_prefix
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 

@@ -241,6 +241,11 @@ def test_completions_and_the_sdk_take_structured_outputs(oa, model, sdk):
     ("chat", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ("completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"n": 17}, "n"),
+    ("chat", {"n": 0}, "n"),
+    ("chat", {"best_of": 2}, "best_of"),
+    ("completions", {"n": 3, "best_of": 2}, "best_of"),
+    ("completions", {"best_of": 3, "stream": True}, "best_of"),
 ])
 def test_bad_logprobs_fields_are_400_naming_the_field(oa, model, endpoint, body, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -249,3 +254,51 @@ def test_bad_logprobs_fields_are_400_naming_the_field(oa, model, endpoint, body,
         else:
             oa.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_n_samples_derive_their_seeds_and_share_the_prompt(oa, model):
+    """n samples, streaming or not: sample i is the one-sample answer seeded seed + i (speculation
+    off: a seeded sample is then a function of the target's logits alone), usage counts the prompt
+    once and every sample's tokens; the samples run in one session, so its KV holds the prompt."""
+    body = dict(model=model, messages=QUESTION, max_tokens=12, temperature=1.0, seed=11,
+                extra_body={"speculation": {"disabled": True}})
+    r = oa.chat.completions.create(n=3, **body)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1, texts
+    singles = [oa.chat.completions.create(**{**body, "seed": 11 + i}) for i in range(3)]
+    assert texts == [s.choices[0].message.content for s in singles]
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert len(r.model_extra["specmesh"]["speculation"]) == 3  # one entry per sample
+    parts = list(oa.chat.completions.create(n=3, stream=True, **body))
+    assert ["".join(p.choices[0].delta.content or "" for p in parts if p.choices and p.choices[0].index == i)
+            for i in range(3)] == texts
+    # greedy with speculation: n identical answers, each the one-sample answer
+    greedy = oa.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0, n=2)
+    one = oa.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+    assert [c.message.content for c in greedy.choices] == [one.choices[0].message.content] * 2
+
+
+def test_a_regenerated_answer_keeps_the_prompts_kv(oa, model):
+    """The same messages again in one session (a regenerated answer): the verifier keeps the KV of
+    the prompt both turns share (all but its last token) instead of prefilling it again, and the
+    greedy answer is the same."""
+    body = dict(model=model, messages=QUESTION, max_tokens=10, temperature=0,
+                extra_headers={"X-Session-ID": "regenerate-kv"})
+    first, again = oa.chat.completions.create(**body), oa.chat.completions.create(**body)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
+def test_best_of_returns_the_samples_with_the_highest_mean_logprob(oa, model):
+    """best_of 4, n 2: the two of the four seeded samples (seed + i) with the highest mean
+    log-probability per token, best first; the logprobs used to rank are not shown unless asked."""
+    body = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
+                extra_body={"speculation": {"disabled": True}})
+    r = oa.completions.create(n=2, best_of=4, **body)
+    assert all(c.logprobs is None for c in r.choices)
+    singles = [oa.completions.create(**{**body, "seed": 5 + i}, logprobs=0).choices[0] for i in range(4)]
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in singles]
+    ranked = sorted(range(4), key=lambda i: -mean[i])[:2]
+    assert [c.text for c in r.choices] == [singles[i].text for i in ranked]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in singles)

@@ -195,14 +195,21 @@ def test_full_context_sends_only_what_the_session_lacks(redis_server, fleet):
         second, _, d2 = await collect(router, turn(router, extended, 3, full_context=True))
         edited = [8] + extended[1:]  # an edited conversation: rebuild from it
         third, _, d3 = await collect(router, turn(router, edited, 3, full_context=True))
-        return first, second, third, d2, d3, await state.session("s")
-    first, second, third, d2, d3, (_, history) = scenario(redis_server.url, [a], body)
-    r1, r2, r3 = fake.requests
+        after_third = await state.session("s")
+        # the same context again (a regenerated answer, the next of n samples): the verifier keeps
+        # all of it but the last token, which is sent as new
+        fourth, _, _ = await collect(router, turn(router, edited, 3, full_context=True))
+        return first, second, third, fourth, d2, d3, after_third, await state.session("s")
+    first, second, third, fourth, d2, d3, (_, history), (_, regenerated) = scenario(redis_server.url, [a], body)
+    r1, r2, r3, r4 = fake.requests
     assert list(r1.history.ids) == [] and list(r1.token_ids.ids) == PROMPT
     assert list(r2.history.ids) == PROMPT + first and list(r2.token_ids.ids) == [9, 9]
     assert list(r3.history.ids) == [] and list(r3.token_ids.ids) == [8] + (PROMPT + first + [9, 9])[1:]
     assert second == continuation(PROMPT + first + [9, 9], 3) and d2.prompt_tokens == len(PROMPT) + 3 + 2
     assert history == [8] + (PROMPT + first + [9, 9])[1:] + third
+    edited = [8] + (PROMPT + first + [9, 9])[1:]
+    assert list(r4.history.ids) == edited[:-1] and list(r4.token_ids.ids) == edited[-1:]
+    assert fourth == third and regenerated == edited + fourth
 
 
 def test_no_live_verifier_is_unavailable_naming_it(redis_server):
