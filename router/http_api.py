@@ -273,8 +273,9 @@ def _samples(body: dict, stream: bool) -> tuple[int, int]:
     return n, best_of
 
 
-def _mean_logprob(lps: list[verifier_pb2.TokenLogprob]) -> float:
-    known = [lp.logprob for lp in lps if lp.HasField("logprob")]
+def _mean_logprob(lps: list[verifier_pb2.TokenLogprob], done: Done) -> float:
+    """Of the sampled tokens only (an echoed prompt's logprobs come first)."""
+    known = [lp.logprob for lp in lps[len(lps) - done.completion_tokens:] if lp.HasField("logprob")]
     return sum(known) / len(known) if known else 0.0
 
 
@@ -430,8 +431,8 @@ class OpenAIApi:
         try:
             if not stream:
                 samples = [await self._collect(t, chat, echo) for t in turns]
-                order = sorted(range(best_of), key=lambda i: -_mean_logprob(samples[i][1]))[:n] if best_of > n \
-                    else list(range(n))
+                order = sorted(range(best_of), key=lambda i: -_mean_logprob(samples[i][1], samples[i][2]))[:n] \
+                    if best_of > n else list(range(n))
                 choices = []
                 for index, i in enumerate(order):
                     text, lps, done = samples[i]

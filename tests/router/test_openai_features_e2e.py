@@ -302,3 +302,6 @@ def test_best_of_returns_the_samples_with_the_highest_mean_logprob(oa, model):
     ranked = sorted(range(4), key=lambda i: -mean[i])[:2]
     assert [c.text for c in r.choices] == [singles[i].text for i in ranked]
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in singles)
+    # echoed with logprobs: the prompt's logprobs come first and do not take part in the ranking
+    echoed = oa.completions.create(n=2, best_of=4, echo=True, logprobs=0, **body)
+    assert [c.text for c in echoed.choices] == [body["prompt"] + singles[i].text for i in ranked]
