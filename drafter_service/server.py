@@ -109,8 +109,7 @@ def serve(cfg: DrafterServiceConfig) -> None:
     from specmesh.runtime import fit_threads
 
     drafter, vocab_size = build_drafter(cfg)
-    model = getattr(drafter, "model", None)
-    threads = fit_threads(*[model] if isinstance(model, torch.nn.Module) else [])
+    threads = fit_threads(drafter)
     store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s)
     costs, recent = calibrated_costs(drafter, vocab_size), Acceptance()
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics

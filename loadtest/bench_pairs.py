@@ -166,8 +166,7 @@ def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: froze
     kernels.set_threads(r.threads)  # peers: torch at the whole budget
     if r.where == "inproc":
         model, drafter = r.runner
-        draft = getattr(drafter, "model", None)
-        r.split = fit_threads(model, *[draft] if isinstance(draft, torch.nn.Module) else [])
+        r.split = fit_threads(model, drafter)
         return generate_inproc(r, model, ids, None, n, drafter, spec, params, stop)
     if r.where == "hf":
         return hf_timed(r, r.runner[0], ids, n, stop, r.runner[1])
@@ -251,8 +250,8 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
     out = []
     for r in rows:
         kind = {"tp1": "services", "inproc": "in-process", "hf": "transformers", "llama": "llama.cpp"}[r.where]
-        d: dict = {"name": r.name, "kind": kind, "threads": r.split or r.threads if r.where != "tp1" else f"{r.threads} per service",
-                   "status": r.status}
+        threads = f"{r.threads} per service" if r.where == "tp1" else r.split or r.threads
+        d: dict = {"name": r.name, "kind": kind, "threads": threads, "status": r.status}
         if r.status != "ok":
             out.append(d)
             continue

@@ -121,11 +121,9 @@ def _cmd_generate_remote(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.endpoint:
         return _cmd_generate_remote(args)
-    import torch
-
+    from specmesh import kernels
     from specmesh.drafters import parse_drafter_spec, resolve_auto
     from specmesh.engine import SpecConfig, StopConditions, generate_stream, GenerationResult
-    from specmesh import kernels
     from specmesh.runtime import encode_prompt, fit_threads, make_drafter, reference_continuation
     from specmesh.sampling import SamplingParams
     from specmesh.text import TextStream
@@ -153,7 +151,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
         reference = reference_continuation(model, prompt_ids, stop)
     drafter = make_drafter(kind, arg, model, reference)
-    threads = fit_threads(model, *[m for m in [getattr(drafter, "model", None)] if isinstance(m, torch.nn.Module)])
+    threads = fit_threads(model, drafter)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     res = GenerationResult()
     stream = TextStream(decode, stop.stop_strings)

@@ -17,9 +17,10 @@ from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
 
 
-def fit_threads(*models) -> str:
+def fit_threads(*served) -> str:
     """Split this process's thread budget (`specmesh.kernels.set_threads`; else torch's thread
-    count) for the `models` it serves, and say how. When every matrix product of every model runs
+    count) for what it serves, and say how: models, or drafters holding one (`.model`; an n-gram
+    or oracle drafter, or None, holds no weights). When every matrix product of every model runs
     on specmesh's kernel pool (a GGUF as shipped, `int4` on specmesh's kernel), the pool takes the
     budget and torch's own ops (attention, norms, a few percent of a step) run on one thread:
     torch's OpenMP workers, spinning after each of those small ops, otherwise hold the cores the
@@ -27,6 +28,8 @@ def fit_threads(*models) -> str:
     from specmesh import kernels
     from specmesh.quant import products_on_pool
 
+    models = [m for m in (s if isinstance(s, torch.nn.Module) else getattr(s, "model", None) for s in served)
+              if isinstance(m, torch.nn.Module)]
     budget = kernels.pool_threads()
     kernels.set_threads(budget, 1 if models and all(products_on_pool(m) for m in models) else budget)
     return kernels.describe_threads()

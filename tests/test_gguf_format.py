@@ -250,5 +250,8 @@ def test_a_model_on_the_kernel_pool_takes_the_budget_and_torch_one_thread(thread
     mixed.lm_head = torch.nn.Linear(64, 128, bias=False)  # one product on torch's GEMM
     assert fit_threads(mixed) == "2" and torch.get_num_threads() == 2
     assert fit_threads(pooled, mixed) == "2" and fit_threads() == "2"
+    from specmesh.drafters.model import ModelDrafter  # a drafter counts by the model it holds; an n-gram one holds none
+    assert fit_threads(pooled, ModelDrafter(pooled)) == fit_threads(pooled, NgramDrafter(), None) == "2 (kernels 2, torch ops 1)"
+    assert fit_threads(pooled, ModelDrafter(mixed)) == "2"
     with pytest.raises(ValueError, match="torch_ops"):
         kernels.set_threads(2, 3)

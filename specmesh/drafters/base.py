@@ -275,8 +275,6 @@ class ManyDraftSession(DraftSession, Protocol):
         grown as `draft` would grow it there with `exclude_root=excludes[i]`. The context stays."""
 
 
-
-
 class ContextSession:
     """The state of drafters that keep nothing but the token context (ngram, oracle)."""
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.drafters.base import Children, ContextSession, grow_trees
-from specmesh.text import common_prefix
 from specmesh.sampling import SamplingParams
+from specmesh.text import common_prefix
 from specmesh.tree import DraftTree
 
 

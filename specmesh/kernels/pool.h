@@ -8,10 +8,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <pthread.h>

@@ -23,7 +23,8 @@ variant must beat AVX2 by `MARGIN`); a row count between two timed ones takes th
 lower. Timed once per CPU model, flags, thread count, torch and library build (about a second),
 cached beside the libraries; `python -m specmesh.kernels --report` prints the table.
 `SPECMESH_QDOT=avx2|avx512vnni` forces one variant (no timing). Every output is a fixed sequence
-of operations whatever the other rows, the tiling or the thread count (batch invariance). This module knows codes and tensors, nothing of models.
+of operations whatever the other rows, the tiling or the thread count (batch invariance). This
+module knows codes and tensors, nothing of models.
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def load() -> bool:
     forced = os.environ.get("SPECMESH_QDOT") or ""
     if forced and forced not in VARIANTS:
         raise ValueError(f"SPECMESH_QDOT: expected one of {', '.join(VARIANTS)}, got {forced!r}")
-    if "avx2" not in runnable():
+    variants = runnable()
+    if "avx2" not in variants:
         _State.reason = f"the CPU lacks one of {', '.join(VARIANTS['avx2'][1])}"
         return False
-    for variant in runnable():
+    for variant in variants:
         flags, _, namespace = VARIANTS[variant]
         try:
             path = _k.build_library(library_path(variant), _SOURCE, f"integer CPU kernel ({variant})", flags)
