@@ -117,6 +117,36 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
+FUSE_PROJECTIONS = True  # tests switch it off to compare against the separate products
+
+
+def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `layers` applied to x, consecutive layers that `quant.fuse_qdot` can join run as one
+    product (q/k/v, gate/up: decode steps pay per product, not only per weight byte). The plan is
+    made at the first call and again whenever `owner`'s layers were replaced (a loader requantizing
+    them); it is kept out of the module tree, so state dicts and module walks see only `layers`."""
+    plan = owner.__dict__.get("_fused")
+    if plan is None or len(plan[0]) != len(layers) or any(a is not b for a, b in zip(plan[0], layers)):
+        from specmesh.quant import fuse_qdot, fusion_key
+
+        runs: list[list[nn.Module]] = []
+        for m in layers:
+            key = fusion_key(m) if FUSE_PROJECTIONS else None
+            if runs and key is not None and fusion_key(runs[-1][-1]) == key:
+                runs[-1].append(m)
+            else:
+                runs.append([m])
+        plan = (layers, [(fuse_qdot(r) if len(r) > 1 else None, r) for r in runs])
+        owner.__dict__["_fused"] = plan
+    outs: list[torch.Tensor] = []
+    for fused, run in plan[1]:
+        if fused is None:
+            outs.append(run[0](x))
+        else:
+            outs.extend(fused(x).split([m.out_features for m in run], -1))
+    return outs
+
+
 ROW_ATTENTION_MAX = 64  # segments of up to this many rows attend row by row (`_attention_by_row`)
 
 
@@ -161,9 +191,10 @@ class Attention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
-        k = self.k_proj(x).view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
-        v = self.v_proj(x).view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
+        q, k, v = _side_by_side(self, (self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
+        k = k.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
+        v = v.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         outs, row = [], 0
@@ -191,7 +222,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = _side_by_side(self, (self.gate_proj, self.up_proj), x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -411,6 +411,44 @@ class QuantLinear(nn.Module):
         return f"{self.fmt}{' ' + self.kernel if self.kernel else ''}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+def fusion_key(m: nn.Module):
+    """What integer-kernel layers must share to run as one product (`fuse_qdot`); None for any other layer."""
+    if not isinstance(m, QuantLinear) or m.kernel != "specmesh-qdot" or m.out_features % qdot.LANES:
+        return None
+    return (m.in_features, m.bits, m.supergroups, m.qd_sb.dtype, tuple(m.qd_sb.shape[1:]), tuple(m.qd_sc.shape[1:]),
+            m.bias is None)
+
+
+def fuse_qdot(layers) -> QuantLinear | None:
+    """One integer-kernel layer whose outputs are `layers`' outputs side by side (their weight rows
+    stacked): one product, one quantization of the input and one thread-pool dispatch where there
+    were several. Every output is the same fixed sequence of operations as in its own layer (an
+    output depends on its own weight row and the input only), so the results are bit-identical.
+    None unless there are two layers or more and all are alike (`fusion_key`: same inputs, layout,
+    scale form and bias presence, outputs in whole 8-row blocks). The layers' buffers become views
+    of the fused ones, so the weights are held once."""
+    keys = {fusion_key(m) for m in layers}
+    if len(layers) < 2 or len(keys) != 1 or None in keys:
+        return None
+    first = layers[0]
+    cat = lambda name: torch.cat([getattr(m, name) for m in layers])  # noqa: E731
+    sc = cat("qd_sc") if first.qd_sc.numel() else first.qd_sc
+    p = qdot.Packed(cat("qd_codes"), cat("qd_sb"), sc, sum(m.out_features for m in layers), first.in_features,
+                    first.bits, first.supergroups)
+    fused = QuantLinear._on_qdot(p, None if first.bias is None else cat("bias"))
+    blocks = rows = 0
+    for m in layers:
+        nb = m.out_features // qdot.LANES
+        m.qd_codes = fused.qd_codes[blocks:blocks + nb]
+        m.qd_sb = fused.qd_sb[blocks:blocks + nb]
+        if sc.numel():
+            m.qd_sc = fused.qd_sc[blocks:blocks + nb]
+        if m.bias is not None:
+            m.bias = fused.bias[rows:rows + m.out_features]
+        blocks, rows = blocks + nb, rows + m.out_features
+    return fused
+
+
 @dataclass
 class WeightFormat:
     """What a loaded model's Linear weights are, for the model card: the format, which tensors

@@ -17,7 +17,7 @@ from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.kernels import ggml, qdot
 from specmesh.loader import model_from_hf
-from specmesh.quant import QuantLinear, SuperCodes, WeightFormat, gguf_int4_codes, gguf_q6k_codes
+from specmesh.quant import QuantLinear, SuperCodes, WeightFormat, fuse_qdot, gguf_int4_codes, gguf_q6k_codes
 from specmesh.sampling import SamplingParams
 from tests.tiny_models import random_hf_model
 
@@ -152,6 +152,30 @@ def test_ggml_layers_keep_the_files_bytes():
     layer = QuantLinear.from_gguf(raw, T.Q5_K, 512, None)
     assert layer.kernel == "ggml" and np.array_equal(layer.blocks.numpy(), raw)
     assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(raw, T.Q5_K)).view(40, 512))
+
+
+def test_fused_products_are_bit_identical_and_hold_the_weights_once():
+    rng = np.random.default_rng(0)
+    k = 256
+
+    def layer(n, bias):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        return QuantLinear.from_gguf(quantize(w, T.Q4_0), T.Q4_0, k, torch.randn(n) if bias else None)
+
+    parts = [layer(64, True), layer(16, True), layer(16, True)]
+    x = torch.randn(5, k)
+    separate = [p(x) for p in parts]
+    fused = fuse_qdot(parts)
+    assert fused is not None and fused.out_features == 96
+    for got, want in zip(fused(x).split([64, 16, 16], -1), separate):
+        assert torch.equal(got, want)
+    for p, want in zip(parts, separate):  # the parts now view the fused buffers, values unchanged
+        assert p.qd_codes.untyped_storage().data_ptr() == fused.qd_codes.untyped_storage().data_ptr()
+        assert torch.equal(p(x), want)
+    assert fuse_qdot([layer(64, True), layer(64, False)]) is None  # bias on one only
+    assert fuse_qdot([layer(60, False), layer(64, False)]) is None  # not whole 8-row blocks
+    q8 = QuantLinear.from_gguf(quantize(rng.standard_normal((64, k)).astype(np.float32), T.Q8_0), T.Q8_0, k, None)
+    assert fuse_qdot([layer(64, False), q8]) is None  # another layout
 
 
 def _tiny_gguf_target(seed: int = 5):
