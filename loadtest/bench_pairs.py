@@ -364,7 +364,7 @@ def machine_info() -> dict:
     """CPU model and vector flags (as the kernel dispatch keys them), threads, library versions, HEAD."""
     import transformers
 
-    from specmesh.kernels import qdot
+    from specmesh.kernels import attention, qdot
     from specmesh.kernels.dispatch import cpu_flags, cpu_model
 
     try:
@@ -383,7 +383,8 @@ def machine_info() -> dict:
             "amx": [f for f in flags if f.startswith("amx")], "machine_threads": os.cpu_count(),
             "commit_full": commit, "torch": torch.__version__, "transformers": transformers.__version__,
             "llama_cpp_python": llama, "llama_cpp_system_info": llama_build,
-            "integer_kernel": qdot.describe()}  # this process's thread count; each service names its own at start
+            "integer_kernel": qdot.describe(),
+            "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})"}  # this process's thread count; each service names its own at start
 
 
 def checks(results: list[dict]) -> dict:

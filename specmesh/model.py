@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh import kernels
+from specmesh.kernels import attention
 from specmesh.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -107,7 +108,7 @@ class Segment:
     want_hidden: bool = False  # fill `hidden` with the final hidden states (before the norm), [T, hidden]
     hidden: torch.Tensor | None = None
     exact: bool = True  # rows bitwise as if decoded alone (`_attention_by_row`); drafters need not
-    row_keys: list[torch.Tensor] | None = None  # exact rows: each row's key slots, from `mask`, once per forward
+    row_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # exact rows: `_row_slots`, once per forward
 
 
 class Linear(nn.Linear):
@@ -150,23 +151,35 @@ def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tens
 ROW_ATTENTION_MAX = 64  # segments of up to this many rows attend row by row (`_attention_by_row`)
 
 
+def _row_slots(mask: torch.Tensor | None, start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's key slots, ascending, as (offsets [T + 1], slots) int64: row i sees
+    slots[offsets[i]:offsets[i + 1]]. `mask` None: one row that sees slots [0, start]."""
+    if mask is None:
+        return torch.tensor([0, start + 1], device=device), torch.arange(start + 1, device=device)
+    offsets = torch.zeros(mask.shape[0] + 1, dtype=torch.long, device=device)
+    torch.cumsum(mask.sum(1), 0, out=offsets[1:])
+    return offsets, mask.nonzero()[:, 1].contiguous()
+
+
 def _attention_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      row_keys: list[torch.Tensor] | None, start: int) -> torch.Tensor:
+                      row_keys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Attention of q [H, T, D] over keys/values [H_kv, S, D], each row computed alone over exactly
-    the keys it sees, gathered in slot order into a contiguous [H_kv, S_i, D]: the same call, on the
-    same values, as decoding that token by itself. A batched kernel sums over a row's keys in an
-    order that depends on T and on where the masked-out keys lie, so a tree's rows would differ from
-    one-token decoding in the last bits; with 8-bit activations (`gguf`) such bits can flip a
-    rounding and grow into different tokens. Decode steps and trees are small; prefills of more
-    than ROW_ATTENTION_MAX rows use the batched kernel (run alike for plain and speculative decoding).
-    `row_keys`: row i's key slots (None: causal, slots [0, start + i])."""
+    the keys it sees, in slot order: the same computation, on the same values, as decoding that
+    token by itself. A batched kernel sums over a row's keys in an order that depends on T and on
+    where the masked-out keys lie, so a tree's rows would differ from one-token decoding in the
+    last bits; with 8-bit activations (`gguf`) such bits can flip a rounding and grow into different
+    tokens. Decode steps and trees are small; prefills of more than ROW_ATTENTION_MAX rows use the
+    batched kernel (run alike for plain and speculative decoding). `row_keys`: `_row_slots`.
+    On the CPU in fp32, `specmesh.kernels.attention` reads the keys in place; elsewhere each row's
+    keys and values are gathered into a contiguous copy for one SDPA call per row."""
+    offsets, slots = row_keys
+    if attention.runs(q, keys):
+        return attention.row_attention(q, keys, values, offsets, slots)
     gqa = q.shape[0] != keys.shape[0]
     out = []
     for i in range(q.shape[1]):
-        if row_keys is None:
-            k_i, v_i = keys[:, :start + i + 1].contiguous(), values[:, :start + i + 1].contiguous()
-        else:
-            k_i, v_i = keys.index_select(1, row_keys[i]), values.index_select(1, row_keys[i])
+        mine = slots[offsets[i]:offsets[i + 1]]
+        k_i, v_i = keys.index_select(1, mine), values.index_select(1, mine)
         out.append(F.scaled_dot_product_attention(q[:, i:i + 1].unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0),
                                                   enable_gqa=gqa)[0])  # [H, 1, D]
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
@@ -203,7 +216,7 @@ class Attention(nn.Module):
             s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
             keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
             if s.exact and n <= ROW_ATTENTION_MAX:
-                outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.row_keys, s.start))
+                outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.row_keys))
             else:
                 outs.append(F.scaled_dot_product_attention(
                     q[:, row:row + n].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
@@ -309,8 +322,8 @@ class Transformer(nn.Module):
             s.cache.ensure_capacity(s.start + t)
             if s.mask is None and t > 1:
                 s.mask = causal_mask(s.start, t, s.tokens.device)
-            if s.exact and t <= ROW_ATTENTION_MAX and s.mask is not None:  # the same for every layer
-                s.row_keys = [r.nonzero().squeeze(1) for r in s.mask]
+            if s.exact and t <= ROW_ATTENTION_MAX:  # the same for every layer
+                s.row_keys = _row_slots(s.mask, s.start, s.tokens.device)
         tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self._rope(positions, self.model.norm.weight.dtype)
