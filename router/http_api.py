@@ -15,8 +15,8 @@ Every request field is checked at this edge: unknown fields, wrong types, intege
 field carries, strings that are not valid Unicode, unknown message roles or message fields and JSON
 nested too deep each get a 400 naming the field. OpenAI fields specmesh does not implement (suffix,
 tools, functions, tool_choice, parallel_tool_calls) are accepted only at the value that changes
-nothing (suffix "", ...), refused otherwise; `top_p: 0` is refused (the narrowest nucleus is not
-expressible as the proto's unset 0).
+nothing (suffix "", ...), refused otherwise; `top_p: 0` is refused (a nucleus of mass 0 holds no
+token; the verifier refuses an explicit 0 as well).
 
 Several samples (`n`, and completions' `best_of`, up to MAX_N): independent samples of the same
 request, one after another in one session, so the verifier prefills the prompt once and each next
@@ -347,7 +347,7 @@ class OpenAIApi:
         ignore_eos = bool(_field(body, "ignore_eos", bool, False))
         r.check_request(request.content_length or 0, max_tokens, session_id, len(stops), field)
         top_p = _number(body, "top_p", 1.0)
-        if not 0 < top_p <= 1:  # proto3 reads 0 as unset (1.0): refused rather than read so
+        if not 0 < top_p <= 1:  # checked here too, to answer with the HTTP field's name
             raise invalid("top_p", f"must be in (0, 1], got {top_p}")
         sampling = common_pb2.SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=top_p,
                                              top_k=_int(body, "top_k", 0, INT32_MAX, 0))

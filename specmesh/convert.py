@@ -1,7 +1,8 @@
 """Conversions between core dataclasses and their protobuf messages (specmesh.v1).
 
-Only the services call these. Protobuf's proto3 scalars have no "unset": top_p 0 on the wire
-means 1.0 (off). Nothing is validated here; the core's own validators do that.
+Only the services call these. Fields whose zero means something else than "off" (top_p,
+repetition_penalty, seed) carry explicit presence (proto3 `optional`): unset is the default, an
+explicit 0 reaches the core's validators and is refused there. Nothing is validated here.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from specmesh.v1 import common_pb2, verifier_pb2
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=float(msg.temperature),
-        top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
+        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
         top_k=int(msg.top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None,
         presence_penalty=float(msg.presence_penalty),
         frequency_penalty=float(msg.frequency_penalty),
-        repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0.0 else 1.0,
+        repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
         min_tokens=int(msg.min_tokens),
     )

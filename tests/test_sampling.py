@@ -537,3 +537,24 @@ def test_seeded_verification_is_reproducible() -> None:
     first = run(params)
     assert run(params) == first
     assert run(SamplingParams(temperature=0.9, top_p=0.95, seed=4321)) != first
+
+
+def test_explicit_zero_is_not_read_as_unset_on_the_wire():
+    """top_p, repetition_penalty and seed carry explicit presence: unset is the default, an explicit
+    0 reaches the validator (top_p 0, repetition_penalty 0: refused; seed 0: a seed)."""
+    from specmesh.client import build_request
+    from specmesh.convert import sampling_from_pb, sampling_to_pb
+    from specmesh.v1 import common_pb2
+
+    unset = sampling_from_pb(common_pb2.SamplingParams(temperature=1.0))
+    assert (unset.top_p, unset.repetition_penalty, unset.seed) == (1.0, 1.0, None)
+    for field in ("top_p", "repetition_penalty"):
+        with pytest.raises(ValueError, match=field):
+            sampling_from_pb(common_pb2.SamplingParams(temperature=1.0, **{field: 0.0})).validate()
+    assert sampling_from_pb(common_pb2.SamplingParams(seed=0)).seed == 0
+    req = build_request([1, 2, 3], temperature=1.0, top_p=0.0)  # the SDK sends what it was given
+    assert req.sampling.HasField("top_p") and req.sampling.top_p == 0.0
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_from_pb(req.sampling).validate()
+    p = SamplingParams(temperature=0.5, top_p=0.25, repetition_penalty=1.5, seed=7)
+    assert sampling_from_pb(sampling_to_pb(p)) == p

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xb6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"6\n\nSparseDist\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"P\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\"\n\x01q\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\"\x8e\x02\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x17\n\x0ftokens_per_step\x18\x05 \x01(\x02\x12\x16\n\x0erejected_trees\x18\x06 \x01(\r\x12\x18\n\x10\x64rafter_timeouts\x18\x07 \x01(\r\x12\x1c\n\x14verify_idle_fraction\x18\x08 \x01(\x02\x12\x15\n\rpredraft_hits\x18\t \x01(\r\x12\x0f\n\x07\x64raft_s\x18\n \x01(\x02\x12\x10\n\x08verify_s\x18\x0b \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xe1\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"6\n\nSparseDist\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"P\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\"\n\x01q\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.SparseDist\"\x8e\x02\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x17\n\x0ftokens_per_step\x18\x05 \x01(\x02\x12\x16\n\x0erejected_trees\x18\x06 \x01(\r\x12\x18\n\x10\x64rafter_timeouts\x18\x07 \x01(\r\x12\x1c\n\x14verify_idle_fraction\x18\x08 \x01(\x02\x12\x15\n\rpredraft_hits\x18\t \x01(\r\x12\x0f\n\x07\x64raft_s\x18\n \x01(\x02\x12\x10\n\x08verify_s\x18\x0b \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=352
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=295
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=343
-  _globals['_SPARSEDIST']._serialized_start=354
-  _globals['_SPARSEDIST']._serialized_end=408
-  _globals['_DRAFTTREE']._serialized_start=410
-  _globals['_DRAFTTREE']._serialized_end=490
-  _globals['_SPECULATIONSTATS']._serialized_start=493
-  _globals['_SPECULATIONSTATS']._serialized_end=763
+  _globals['_SAMPLINGPARAMS']._serialized_end=395
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=305
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=353
+  _globals['_SPARSEDIST']._serialized_start=397
+  _globals['_SPARSEDIST']._serialized_end=451
+  _globals['_DRAFTTREE']._serialized_start=453
+  _globals['_DRAFTTREE']._serialized_end=533
+  _globals['_SPECULATIONSTATS']._serialized_start=536
+  _globals['_SPECULATIONSTATS']._serialized_end=806
 # @@protoc_insertion_point(module_scope)

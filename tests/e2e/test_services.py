@@ -232,6 +232,8 @@ def test_drafter_killed_mid_generation(local, reference_file, verifier):
     ("max_tokens", dict(max_tokens=0)),
     ("temperature", dict(sampling=common_pb2.SamplingParams(temperature=-1))),
     ("top_p", dict(sampling=common_pb2.SamplingParams(temperature=1, top_p=1.5))),
+    ("top_p", dict(sampling=common_pb2.SamplingParams(temperature=1, top_p=0.0))),  # explicit 0: not "unset"
+    ("repetition_penalty", dict(sampling=common_pb2.SamplingParams(repetition_penalty=0.0))),
     ("token_ids", dict(token_ids=verifier_pb2.TokenIds(ids=[1, 10**8]))),
     ("stop_token_ids", dict(stop_token_ids=[-4])),
     ("speculation.budget", dict(speculation=verifier_pb2.SpeculationOptions(budget=1000))),
