@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", str(d.max_sessions))),
                    help="sessions kept (least recently used evicted beyond)")
     p.add_argument("--idle-timeout-s", type=float, default=float(_env("IDLE_TIMEOUT_S", str(d.idle_timeout_s))))
+    p.add_argument("--max-context-tokens", type=int,
+                   default=int(_env("MAX_CONTEXT_TOKENS", str(d.max_context_tokens))),
+                   help="tokens one session may hold; a request beyond is refused")
+    p.add_argument("--max-total-tokens", type=int, default=int(_env("MAX_TOTAL_TOKENS", str(d.max_total_tokens))),
+                   help="tokens all sessions may hold together (their KV caches); least recently used evicted beyond")
     p.add_argument("--device", default=_env("DEVICE", d.device),
                    help="model drafter: auto (cuda when available) | cpu | cuda")
     p.add_argument("--dtype", default=_env("DTYPE", d.dtype), help="model drafter: float32 | bfloat16 | float16 | int8 | int4 | gguf | auto (a GGUF as a target "
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter=args.drafter, host=args.host, port=args.port, oracle_reference=args.oracle_reference,
         draft_cost_s=args.draft_cost_s, draft_row_cost_s=args.draft_row_cost_s, vocab_size=args.vocab_size, seed=args.seed,
         max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout_s, threads=args.threads,
+        max_context_tokens=args.max_context_tokens, max_total_tokens=args.max_total_tokens,
         device=args.device, dtype=args.dtype,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
         tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca),

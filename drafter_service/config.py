@@ -25,6 +25,8 @@ class DrafterServiceConfig:
     seed: int = 0  # oracle only: seed of its corruption
     max_sessions: int = 256
     idle_timeout_s: float = 600.0
+    max_context_tokens: int = 32768  # one session's committed tokens (its KV cache); beyond: refused
+    max_total_tokens: int = 262144  # all sessions' committed tokens: least recently used evicted beyond
     threads: int = 1  # torch threads
     device: str = "auto"  # model drafters: auto (cuda when available) | cpu | cuda (specmesh.device)
     dtype: str = "float32"  # model drafters: specmesh.device.DTYPES (auto: runtime.load_model_drafter)
@@ -61,6 +63,11 @@ class DrafterServiceConfig:
             raise ValueError(f"max_sessions: must be >= 1, got {self.max_sessions}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s: must be > 0, got {self.idle_timeout_s}")
+        if self.max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens: must be >= 1, got {self.max_context_tokens}")
+        if self.max_total_tokens < self.max_context_tokens:
+            raise ValueError(f"max_total_tokens: must be >= max_context_tokens ({self.max_context_tokens}), "
+                             f"got {self.max_total_tokens}")
         if kind != "model" and (self.device != "auto" or self.dtype != "float32"):
             raise ValueError("device, dtype: only a model drafter computes (ngram and oracle run on the CPU)")
         if self.dtype not in DTYPES:

@@ -91,7 +91,7 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
     workers = cfg.max_streams + 4
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
                          options=options, maximum_concurrent_rpcs=workers)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, store, vocab_size, costs, recent), server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -110,7 +110,7 @@ def serve(cfg: DrafterServiceConfig) -> None:
 
     drafter, vocab_size = build_drafter(cfg)
     threads = fit_threads(drafter)
-    store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s)
+    store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s, max_total_tokens=cfg.max_total_tokens)
     costs, recent = calibrated_costs(drafter, vocab_size), Acceptance()
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         from drafter_service.metrics import DrafterMetrics, MeteredDrafter, start_exporter

@@ -63,10 +63,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """specmesh.v1.Drafter over a shared SessionStore; see the module docstring for the protocol."""
 
     def __init__(self, drafter: Drafter, store: SessionStore, vocab_size: int | None,
-                 costs: Costs | None = None, recent: Acceptance | None = None) -> None:
+                 costs: Costs | None = None, recent: Acceptance | None = None,
+                 max_context_tokens: int | None = None) -> None:
         """`vocab_size`: token ids must be below it; None (ngram) accepts any id >= 0. `costs`,
         `recent`: what this process measured (drafting, verifications reported, the link) and the
-        acceptance of its recent sessions, shared by every session's planner."""
+        acceptance of its recent sessions, shared by every session's planner. `max_context_tokens`:
+        a request that would make a session hold more is refused (the session is closed)."""
+        self.max_context_tokens = max_context_tokens
         self.drafter = drafter
         self.store = store
         self.vocab_size = vocab_size
@@ -124,6 +127,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 _check_shape(c.budget, c.depth)
                 self._check_tokens("accepted", c.accepted)
                 self._check_tokens("bonus", [c.bonus])
+                self._check_length("accepted", session.position + len(c.accepted) + 1)
                 step = session.commit(c.step, list(c.accepted), c.bonus, c.budget, c.depth,
                                       self._features(c.features, len(c.accepted) + 1), c.took_predraft, arrived,
                                       c.verify_s)
@@ -134,6 +138,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 session = self._session(sid)
                 _check_shape(e.budget, e.depth)
                 self._check_tokens("tokens", e.tokens)
+                self._check_length("tokens", (e.keep or session.position) + len(e.tokens))
                 step = session.extend(list(e.tokens), e.budget, e.depth, e.keep,
                                       self._features(e.features, len(e.tokens)))
             else:
@@ -153,6 +158,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if not o.context:
             raise RequestError("context: must hold at least one token")
         self._check_tokens("context", o.context)
+        self._check_length("context", len(o.context))
         context = list(o.context)
         features = self._features(o.features, len(context) - 1)
         if any(pt.rows < 1 or not pt.seconds > 0 for pt in o.verify_cost):
@@ -201,6 +207,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _features(self, data: bytes, rows: int):
         """The target features of a request, for a feature drafter (None for the others)."""
         return features_from_pb(data, rows, self.feature_dim) if self.feature_dim else None
+
+    def _check_length(self, field: str, tokens: int) -> None:
+        if self.max_context_tokens is not None and tokens > self.max_context_tokens:
+            raise RequestError(f"{field}: the session would hold {tokens} tokens, more than this drafter's "
+                               f"--max-context-tokens {self.max_context_tokens}")
 
     def _check_tokens(self, field: str, ids) -> None:
         vocab = self.vocab_size

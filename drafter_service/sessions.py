@@ -1,7 +1,8 @@
 """The drafter service's session table: session id -> DraftAhead, bounded, least recently used out.
 
-Memory is bounded by `max_sessions` (each session may hold a KV cache): adding one more evicts
-the least recently used; sessions idle for longer than `idle_timeout_s` are evicted by `sweep`
+Memory is bounded by `max_sessions` (each session may hold a KV cache) and `max_total_tokens`
+(the committed tokens of all sessions, which their caches hold): beyond either, the least
+recently used other sessions are evicted; sessions idle for longer than `idle_timeout_s` are evicted by `sweep`
 (called on every change and periodically by the server). Evicting closes the session, which
 frees its cache; a later request for it gets an error. Shared by all streams of the service.
 
@@ -21,10 +22,11 @@ from specmesh.drafters.predraft import DraftAhead
 
 class SessionStore:
     def __init__(self, max_sessions: int, idle_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_total_tokens: int | None = None) -> None:
         assert max_sessions >= 1 and idle_timeout_s > 0
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
+        self.max_total_tokens = max_total_tokens  # None: no bound on tokens
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, tuple[DraftAhead, float]] = OrderedDict()  # LRU first
@@ -39,10 +41,7 @@ class SessionStore:
         with self._lock:
             old = self._sessions.pop(session_id, None)
             self._sessions[session_id] = (session, self._clock())
-            out = self._expired_locked()
-            while len(self._sessions) > self.max_sessions:
-                out.append(self._sessions.popitem(last=False)[1][0])
-                self.evicted += 1
+            out = self._expired_locked() + self._over_locked()
         if old is not None and old[0] is not session:
             old[0].close()
         self._close(out)
@@ -56,6 +55,7 @@ class SessionStore:
             if entry is not None and touch:
                 self._sessions[session_id] = (entry[0], self._clock())
                 self._sessions.move_to_end(session_id)
+                out += self._over_locked()  # it may have grown since it was last counted
         self._close(out)
         if entry is None or entry[0].closed:
             return None
@@ -81,6 +81,18 @@ class SessionStore:
             self._sessions.clear()
         for s in out:
             s.close()
+
+    def _over_locked(self) -> list[DraftAhead]:
+        """Evict least recently used sessions, never the most recent one, while over a bound."""
+        out = []
+        tokens = sum(s.position for s, _ in self._sessions.values()) if self.max_total_tokens else 0
+        while len(self._sessions) > 1 and (len(self._sessions) > self.max_sessions
+                                           or (self.max_total_tokens and tokens > self.max_total_tokens)):
+            session = self._sessions.popitem(last=False)[1][0]
+            tokens -= session.position
+            out.append(session)
+        self.evicted += len(out)
+        return out
 
     def _expired_locked(self) -> list[DraftAhead]:
         now, out = self._clock(), []

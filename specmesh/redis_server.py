@@ -31,6 +31,15 @@ def redis_server_binary() -> str | None:
     return None
 
 
+def redacted(url: str) -> str:
+    """`url` with its password (if any) shown as ***, for logs and listings."""
+    scheme, sep, rest = url.partition("://")
+    auth, at, host = rest.rpartition("@")
+    if not at or ":" not in auth:
+        return url
+    return f"{scheme}{sep}{auth.split(':', 1)[0]}:***@{host}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -60,10 +69,15 @@ class RedisServer:
         return self.workdir / LOG_FILE
 
     def start(self) -> RedisServer:
+        conf = []
+        if self.password:  # in a file only its owner reads, not on the command line (ps shows that)
+            path = self.workdir / "redis.conf"
+            path.touch(mode=0o600)
+            path.write_text(f"requirepass {self.password}\n")
+            conf = [str(path)]
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-             "--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", str(self.log_path),
-             *(["--requirepass", self.password] if self.password else [])],
+            [self.binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+             "--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", str(self.log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=self.own_session)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and self.proc.poll() is None:

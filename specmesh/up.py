@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from specmesh.cluster import Cluster, ClusterError, ClusterSpec
 from specmesh.drafters import resolve_auto
+from specmesh.redis_server import redacted
 
 DEMO_PROMPT = "Explain speculative decoding in two sentences."
 DEMO_TIMEOUT_S = 600.0
@@ -103,7 +104,7 @@ def print_endpoints(cluster: Cluster) -> None:
         what += f" metrics {metrics}" if metrics else ""
         print(f"  {name:<20} {address:<32} pid {pid:<8} {what.strip()}".rstrip(), flush=True)
     if cluster.redis is None:
-        print(f"  {'redis':<20} {cluster.redis_url} (external)", flush=True)
+        print(f"  {'redis':<20} {redacted(cluster.redis_url)} (external)", flush=True)
     print(f"specmesh ready: grpc {cluster.grpc_address} http {http}", flush=True)
 
 

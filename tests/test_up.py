@@ -9,7 +9,9 @@ import argparse
 import os
 import re
 import signal
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,14 @@ from specmesh.drafters import bundled_drafter_path
 from specmesh.up import add_arguments, config_from_args
 from tests.certs import make_pki
 from tests.up_proc import UpProcess, alive, in_groups
+
+
+def test_redis_urls_are_listed_without_their_password():
+    from specmesh.redis_server import redacted
+
+    assert redacted("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert redacted("rediss://user:s3cret@h:1/0") == "rediss://user:***@h:1/0"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def parse(*argv: str):
@@ -101,6 +111,16 @@ def test_sigterm_stops_every_child_in_reverse_order():
         assert set(pids) == {"redis", "router", "drafter-0", "drafter-1", "drafter-0-register",
                              "drafter-1-register", "verifier"}
         assert all(alive(p) for p in pids.values())
+        # the embedded Redis wants its generated password, which is in no command line or listing
+        listed = next(line for line in up.out if line.split()[:1] == ["redis"])
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", listed).group(1))
+        assert ":***@" in listed, listed
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"PING\r\n")
+            assert sock.recv(64).startswith(b"-NOAUTH"), "an unauthenticated client was served"
+        for pid in pids.values():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"redis://" not in cmdline and b"requirepass" not in cmdline, cmdline
         up.signal(signal.SIGTERM)
         assert up.wait(timeout=120) == 0, up.output()
     finally:

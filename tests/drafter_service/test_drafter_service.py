@@ -370,9 +370,23 @@ def test_session_store_lru_idle_and_replace() -> None:
     assert e.closed and len(store) == 0
 
 
+def test_session_store_bounds_the_tokens_held() -> None:
+    store = SessionStore(max_sessions=10, idle_timeout_s=10, max_total_tokens=10)
+    a, b, c = _ahead([1] * 4), _ahead([2] * 4), _ahead([3] * 5)
+    store.put("a", a)
+    store.put("b", b)
+    assert store.get("a") is a  # "b" is now the least recently used
+    store.put("c", c)  # 13 tokens > 10: "b" goes, 9 are left
+    assert b.closed and store.get("b") is None and not a.closed and store.get("c") is c
+    big = _ahead([4] * 12)  # more than the bound alone: kept (the newest is never evicted), the rest go
+    store.put("big", big)
+    assert a.closed and c.closed and store.get("big") is big and len(store) == 1
+
+
 @pytest.fixture(scope="module")
 def small(request, tmp_path_factory) -> Service:
-    return _service(request, tmp_path_factory, "--drafter", "ngram", "--max-sessions", "2", "--idle-timeout-s", "3")
+    return _service(request, tmp_path_factory, "--drafter", "ngram", "--max-sessions", "2", "--idle-timeout-s", "3",
+                    "--max-context-tokens", "40", "--max-total-tokens", "60")
 
 
 def test_lru_eviction_and_idle_timeout(small: Service) -> None:
@@ -388,6 +402,22 @@ def test_lru_eviction_and_idle_timeout(small: Service) -> None:
     assert s.ask("c", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error == ""
     time.sleep(3.5)  # idle past the 3 s timeout: evicted
     assert s.ask("a", commit=drafter_pb2.CommitStep(step=2, bonus=1, budget=4, depth=2)).error.startswith("session_id:")
+    s.close()
+
+
+def test_context_and_memory_caps(small: Service) -> None:
+    """--max-context-tokens 40: a request that would make one session hold more is refused, naming
+    the field, and the stream goes on; --max-total-tokens 60: opening past it evicts the least
+    recently used session."""
+    s = small.stream()
+    r = s.ask("huge", open=_open(context=list(range(1, 42)), budget=4, depth=2))
+    assert r.error.startswith("context:") and "max-context-tokens" in r.error, r.error
+    assert s.ask("t1", open=_open(context=list(range(1, 31)), budget=4, depth=2)).error == ""
+    assert s.ask("t2", open=_open(context=list(range(1, 36)), budget=4, depth=2)).error == ""  # 65 > 60
+    assert s.ask("t1", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error.startswith("session_id:")
+    r = s.ask("t2", commit=drafter_pb2.CommitStep(step=0, accepted=[1, 2, 3, 4, 5], bonus=1, budget=4, depth=2))
+    assert r.error.startswith("accepted:"), r.error  # 35 + 6 > 40
+    assert s.ask("t3", open=_open(context=list(range(1, 11)), budget=4, depth=2)).error == ""  # still serving
     s.close()
 
 
