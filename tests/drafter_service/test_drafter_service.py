@@ -386,7 +386,7 @@ def test_session_store_bounds_the_tokens_held() -> None:
 @pytest.fixture(scope="module")
 def small(request, tmp_path_factory) -> Service:
     return _service(request, tmp_path_factory, "--drafter", "ngram", "--max-sessions", "2", "--idle-timeout-s", "3",
-                    "--max-context-tokens", "40", "--max-total-tokens", "60")
+                    "--max-context-tokens", "100", "--max-total-tokens", "150")
 
 
 def test_lru_eviction_and_idle_timeout(small: Service) -> None:
@@ -406,17 +406,17 @@ def test_lru_eviction_and_idle_timeout(small: Service) -> None:
 
 
 def test_context_and_memory_caps(small: Service) -> None:
-    """--max-context-tokens 40: a request that would make one session hold more is refused, naming
-    the field, and the stream goes on; --max-total-tokens 60: opening past it evicts the least
+    """--max-context-tokens 100: a request that would make one session hold more is refused, naming
+    the field, and the stream goes on; --max-total-tokens 150: opening past it evicts the least
     recently used session."""
     s = small.stream()
-    r = s.ask("huge", open=_open(context=list(range(1, 42)), budget=4, depth=2))
+    r = s.ask("huge", open=_open(context=list(range(1, 102)), budget=4, depth=2))
     assert r.error.startswith("context:") and "max-context-tokens" in r.error, r.error
-    assert s.ask("t1", open=_open(context=list(range(1, 31)), budget=4, depth=2)).error == ""
-    assert s.ask("t2", open=_open(context=list(range(1, 36)), budget=4, depth=2)).error == ""  # 65 > 60
+    assert s.ask("t1", open=_open(context=list(range(1, 71)), budget=4, depth=2)).error == ""
+    assert s.ask("t2", open=_open(context=list(range(1, 86)), budget=4, depth=2)).error == ""  # 155 > 150
     assert s.ask("t1", commit=drafter_pb2.CommitStep(step=0, bonus=1, budget=4, depth=2)).error.startswith("session_id:")
-    r = s.ask("t2", commit=drafter_pb2.CommitStep(step=0, accepted=[1, 2, 3, 4, 5], bonus=1, budget=4, depth=2))
-    assert r.error.startswith("accepted:"), r.error  # 35 + 6 > 40
+    r = s.ask("t2", commit=drafter_pb2.CommitStep(step=0, accepted=list(range(1, 16)), bonus=1, budget=4, depth=2))
+    assert r.error.startswith("accepted:"), r.error  # 85 + 16 > 100
     assert s.ask("t3", open=_open(context=list(range(1, 11)), budget=4, depth=2)).error == ""  # still serving
     s.close()
 
