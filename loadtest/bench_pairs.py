@@ -206,9 +206,10 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
     st = str(service_threads)
-    procs = {"tp1": start("verifier_service", "--threads", st, "--target", loaded.target, "--dtype", dtype),
-             "drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", st,
+    procs = {"drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", st,
                               "--dtype", dtype)}
+    procs["tp1"] = start("verifier_service", "--threads", st, "--target", loaded.target, "--dtype", dtype,
+                         "--drafter-allow", procs["drafter"].address)  # requests name it (drafter_address)
     banner = next((line.strip() for line in procs["tp1"].lines if "listening on" in line), "")
     try:
         address = {k: p.address for k, p in procs.items()}

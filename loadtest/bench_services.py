@@ -129,10 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         "o8w": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref, "--draft-cost-s", low,
                      "--draft-row-cost-s", str(args.row_draft_cost_s)),
         "o8c": start("drafter_service", "--drafter", "oracle:0.8", "--oracle-reference", ref),
-        "tp1": start("verifier_service", "--threads", "1", "--draft-deadline-s", "10"),
     }
+    # requests name their drafter (drafter_address): the verifiers may dial these, nothing else
+    allow = ("--drafter-allow", ",".join(p.address for p in procs.values()))
+    procs["tp1"] = start("verifier_service", "--threads", "1", "--draft-deadline-s", "10", *allow)
     if not args.quick:
-        procs["tp2"] = start("verifier_service", "--tp", "2", "--threads", "1", "--draft-deadline-s", "10")
+        procs["tp2"] = start("verifier_service", "--tp", "2", "--threads", "1", "--draft-deadline-s", "10", *allow)
     try:
         configs = [Config("in-process none", "inproc"), Config("in-process oracle 0.8 cost-free", "inproc", "o8c"),
                    Config("in-process oracle 0.8 with draft cost", "inproc", "o8", alpha=0.8, cost_s=args.draft_cost_s)]

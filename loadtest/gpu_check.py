@@ -138,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     oracle = ("--oracle-reference", ref, "--vocab-size", str(vocab))
     procs = {}
     try:
-        procs["tp1"] = start("verifier_service", "--target", str(work / "target"), *dev_flags,
-                             "--draft-deadline-s", "10", timeout=600)
         procs["o8c"] = start("drafter_service", "--drafter", "oracle:0.8", *oracle)
         procs["o8"] = start("drafter_service", "--drafter", "oracle:0.8", *oracle, "--draft-cost-s", str(cost_s))
         procs["model"] = start("drafter_service", "--drafter", f"model:{work / 'drafter'}", *dev_flags, timeout=600)
+        procs["tp1"] = start("verifier_service", "--target", str(work / "target"), *dev_flags,
+                             "--draft-deadline-s", "10", "--drafter-allow", ",".join(p.address for p in procs.values()),
+                             timeout=600)
         configs = [Config("in-process none", "inproc"),
                    Config("in-process oracle 0.8 cost-free", "inproc", "o8c"),
                    Config("in-process oracle 0.8 with draft cost", "inproc", "o8", alpha=0.8, cost_s=cost_s),

@@ -30,7 +30,7 @@ import redis
 from redis.exceptions import RedisError
 
 from router.policies import Endpoint, Role
-from router.state import DEFAULT_PREFIX, Keys, endpoint_to_json
+from router.state import DEFAULT_PREFIX, Keys, endpoint_from_json, endpoint_to_json
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, add_peer_args, peer_channel, peer_from_args
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,14 @@ def start_heartbeat(redis_url: str, role: str, address: str, model: str = "", ca
     ep = Endpoint(address=address, role=Role(role), model=model, capacity=capacity)
     prefix = prefix if prefix is not None else os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
     return Heartbeat(client, ep, load, interval_s, ttl_s, prefix).start()
+
+
+def registered_role(client: redis.Redis, address: str, prefix: str | None = None) -> Role | None:
+    """The role `address` holds in the registry (a live heartbeat), or None. Raises RedisError.
+    `prefix` None = $SPECMESH_REDIS_PREFIX, else the default."""
+    prefix = prefix if prefix is not None else os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
+    raw = client.get(Keys(prefix).endpoint(address))
+    return None if raw is None else endpoint_from_json(raw).role
 
 
 def _health_probe(address: str, timeout_s: float, peer: PeerTls = PLAINTEXT_PEER) -> Callable[[], bool]:

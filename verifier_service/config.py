@@ -24,6 +24,7 @@ class VerifierConfig:
     device: str = "auto"               # auto (cuda when available) | cpu | cuda (rank r on cuda:r)
     dtype: str = "float32"             # weights and KV cache: float32 | bfloat16 | float16 (specmesh.device)
     drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
+    drafter_allow: tuple[str, ...] = ()  # other drafters a request may name (besides registered ones)
     budget: int = 8                    # default cap on draft nodes per step (the drafter's planner picks within)
     depth: int = 4                     # default cap on tree depth
     pipelined: bool = True             # ask drafters to predraft the next step
@@ -68,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--dtype", choices=tuple(DTYPES), default=env("SPECMESH_DTYPE", d.dtype),
                    help="weights and KV cache (float32 keeps greedy output bitwise the target's; see specmesh.device)")
     p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
+    p.add_argument("--drafter-allow", type=lambda v: tuple(a.strip() for a in v.split(",") if a.strip()),
+                   default=tuple(a.strip() for a in env("SPECMESH_DRAFTER_ALLOW", "").split(",") if a.strip()),
+                   help="comma list of host:port a request's drafter_address may name, besides --drafter and "
+                        "the drafters registered in --redis-url's registry (anything else is refused)")
     p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)),
                    help="cap on draft nodes per step; the drafter's planner picks each step's shape within the caps")
     p.add_argument("--depth", type=int, default=int(env("SPECMESH_DEPTH", d.depth)), help="cap on tree depth")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -32,9 +33,57 @@ def _status_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+class DrafterGate:
+    """Which drafter a request may make this verifier dial (`GenerateRequest.drafter_address`): its
+    own --drafter, those in --drafter-allow (HOST:PORT, or HOST:* for any port of HOST) and, with a
+    registry (--redis-url), any address that holds a live drafter registration there (answers kept
+    CACHE_S). Anything else is refused, so a caller cannot make the verifier dial an arbitrary
+    host:port; a registry that cannot be read refuses too."""
+
+    CACHE_S = 5.0
+
+    def __init__(self, own: str, allow: tuple[str, ...], redis_url: str) -> None:
+        self.fixed = {a for a in (own, *allow) if a and not a.endswith(":*")}
+        self.hosts = {a[:-2] for a in allow if a.endswith(":*")}
+        self.redis_url = redis_url
+        self._client = None
+        self._seen: dict[str, tuple[float, bool]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, address: str) -> None:
+        """ValueError naming drafter_address unless `address` may be dialled."""
+        if address in self.fixed or address.rpartition(":")[0] in self.hosts:
+            return
+        if not self.redis_url:
+            raise ValueError(f"drafter_address: {address!r} is not this verifier's --drafter nor in --drafter-allow")
+        now = time.monotonic()
+        with self._lock:
+            hit = self._seen.get(address)
+        if hit is None or now - hit[0] > self.CACHE_S:
+            import redis
+            from router.policies import Role
+            from router.register import registered_role
+
+            try:
+                if self._client is None:
+                    self._client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+                hit = (now, registered_role(self._client, address) == Role.DRAFTER)
+            except redis.RedisError as e:
+                raise ValueError(f"drafter_address: the registry cannot confirm {address!r}: {e}") from e
+            with self._lock:
+                if len(self._seen) > 4096:
+                    self._seen.clear()
+                self._seen[address] = hit
+        if not hit[1]:
+            raise ValueError(f"drafter_address: {address!r} is not a registered drafter, this verifier's --drafter "
+                             "or in --drafter-allow")
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, verifier: Verifier) -> None:
         self.v = verifier
+        cfg = verifier.cfg
+        self.gate = DrafterGate(cfg.drafter, cfg.drafter_allow, cfg.redis_url)
 
     def to_turn(self, req: verifier_pb2.GenerateRequest) -> Turn:
         cfg = self.v.cfg
@@ -56,6 +105,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         stop = StopConditions(req.max_tokens, stop_ids, tuple(req.stop))
         stop.validate()
         o = req.speculation
+        if req.drafter_address and not o.disabled:
+            self.gate.check(req.drafter_address)
         spec = None
         if not o.disabled:
             # a seeded request must not depend on timing: a shape planned from measured costs does,

@@ -93,14 +93,16 @@ def oracle(reference_file):
 def verifier():
     # batched verification on (auto would leave it off at one thread): every TP=1 test below runs
     # through it, the 8 concurrent sessions included
-    p = start("verifier_service", "--threads", "1", "--draft-deadline-s", "5", "--batching", "on")
+    p = start("verifier_service", "--threads", "1", "--draft-deadline-s", "5", "--batching", "on",
+              "--drafter-allow", "127.0.0.1:*")  # requests name their drafter: any local port
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
 def verifier_tp2():
-    p = start("verifier_service", "--tp", "2", "--threads", "1", "--draft-deadline-s", "5")
+    p = start("verifier_service", "--tp", "2", "--threads", "1", "--draft-deadline-s", "5",
+              "--drafter-allow", "127.0.0.1:*")
     yield p
     p.stop()
 
@@ -239,6 +241,7 @@ def test_drafter_killed_mid_generation(local, reference_file, verifier):
     ("speculation.budget", dict(speculation=verifier_pb2.SpeculationOptions(budget=1000))),
     ("speculation.depth", dict(speculation=verifier_pb2.SpeculationOptions(depth=99))),
     ("input", dict(max_tokens=4, session_id="never-seen")),
+    ("drafter_address", dict(drafter_address="10.0.0.1:1")),  # not allowed: never dialled
 ])
 def test_bad_request_is_invalid_argument(local, verifier, field, req):
     base = dict(max_tokens=4, token_ids=verifier_pb2.TokenIds(ids=local[2][0][0]))
