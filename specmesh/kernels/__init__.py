@@ -138,6 +138,36 @@ def build_library(path: Path, source: Path, what: str, flags: tuple[str, ...] = 
     return path
 
 
+class CompiledOp:
+    """One op of a specmesh kernel library (`source`, including `headers`), built on first use and
+    cached like the others; `load()` once per process. Where it cannot load, `op` stays None and
+    `reason` says why (`unsupported()`, or the build's or loader's error)."""
+
+    def __init__(self, stem: str, source: Path, headers: list[Path], what: str, namespace: str, name: str) -> None:
+        self.stem, self.source, self.headers, self.what = stem, source, headers, what
+        self.namespace, self.name = namespace, name
+        self.op = None
+        self.tried = False
+        self.reason = ""
+
+    def library_path(self) -> Path:
+        return keyed_library(self.stem, self.source, self.headers)
+
+    def load(self) -> bool:
+        if self.tried:
+            return self.op is not None
+        self.tried = True
+        if why := unsupported():
+            self.reason = why
+            return False
+        try:
+            torch.ops.load_library(str(build_library(self.library_path(), self.source, self.what)))
+            self.op = getattr(getattr(torch.ops, self.namespace), self.name)
+        except (OSError, RuntimeError) as e:
+            self.reason = str(e)
+        return self.op is not None
+
+
 def build() -> Path:
     """Compile the kernel library if it is not cached yet; return its path."""
     return build_library(library_path(), _SOURCE, "small-M CPU kernel")

@@ -25,39 +25,24 @@ _SOURCE = Path(__file__).with_name("row_attention.cpp")
 _HEADERS = [Path(__file__).with_name("pool.h")]
 
 
-class _State:
-    """Process-wide, like `specmesh.kernels._State`."""
-    op = None
-    tried = False
-    reason = ""
+_OP = _k.CompiledOp("row_attention", _SOURCE, _HEADERS, "row attention kernel", "specmesh_attention", "row_attention")
 
 
 def library_path() -> Path:
-    return _k.keyed_library("row_attention", _SOURCE, _HEADERS)
+    return _OP.library_path()
 
 
 def load() -> bool:
     """Make the kernel available in this process (once); False, with `reason()` set, when it cannot."""
-    if _State.tried:
-        return _State.op is not None
-    _State.tried = True
-    if why := _k.unsupported():
-        _State.reason = why
-        return False
-    try:
-        torch.ops.load_library(str(_k.build_library(library_path(), _SOURCE, "row attention kernel")))
-        _State.op = torch.ops.specmesh_attention.row_attention
-    except (OSError, RuntimeError) as e:
-        _State.reason = str(e)
-    return _State.op is not None
+    return _OP.load()
 
 
 def available() -> bool:
-    return load()
+    return _OP.load()
 
 
 def reason() -> str:
-    return _State.reason
+    return _OP.reason
 
 
 def runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -72,4 +57,4 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, off
     and slots int64: row t sees slots[offsets[t]:offsets[t + 1]], in that order. -> [H, T, D]."""
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return _State.op(q, keys, values, offsets, slots, 1.0 / math.sqrt(q.shape[-1]), _k.pool_threads())
+    return _OP.op(q, keys, values, offsets, slots, 1.0 / math.sqrt(q.shape[-1]), _k.pool_threads())

@@ -29,13 +29,6 @@ LANES = 8  # output rows per block
 GROUP = 32
 
 
-class _State:
-    """Process-wide, like `specmesh.kernels._State`."""
-    op = None
-    tried = False
-    reason = ""
-
-
 @dataclass
 class PackedInt4:
     """The kernel's weight layout: codes [N/8, K/32, 16, 8] uint8, sb [N/8, K/32, 2, 8] fp32."""
@@ -45,33 +38,21 @@ class PackedInt4:
     k: int
 
 
+_OP = _k.CompiledOp("q4_gemm", _SOURCE, _HEADERS, "4-bit CPU kernel", "specmesh_q4", "q4_linear")
+
+
 def library_path() -> Path:
-    return _k.keyed_library("q4_gemm", _SOURCE, _HEADERS)
-
-
-def build() -> Path:
-    return _k.build_library(library_path(), _SOURCE, "4-bit CPU kernel")
+    return _OP.library_path()
 
 
 def load() -> bool:
-    """Make the kernel available in this process (once); False, with `reason()` set, when it cannot."""
-    if _State.tried:
-        return _State.op is not None
-    _State.tried = True
-    if why := _k.unsupported():
-        _State.reason = why
-        if (os.environ.get("SPECMESH_KERNELS") or "auto") == "0":
-            return False  # asked for: nothing to say
-    else:
-        try:
-            torch.ops.load_library(str(build()))
-            _State.op = torch.ops.specmesh_q4.q4_linear
-        except (OSError, RuntimeError) as e:
-            _State.reason = str(e)
-    if _State.op is None:
-        print(f"specmesh: 4-bit kernel unavailable, using torch's int4pack (bf16 activations): {_State.reason}",
+    """Make the kernel available in this process (once); False, with `reason()` set, when it cannot
+    (said once on stderr unless SPECMESH_KERNELS=0 asked for it)."""
+    first = not _OP.tried
+    if not _OP.load() and first and (os.environ.get("SPECMESH_KERNELS") or "auto") != "0":
+        print(f"specmesh: 4-bit kernel unavailable, using torch's int4pack (bf16 activations): {_OP.reason}",
               file=sys.stderr)
-    return _State.op is not None
+    return _OP.op is not None
 
 
 def available() -> bool:
@@ -79,7 +60,7 @@ def available() -> bool:
 
 
 def reason() -> str:
-    return _State.reason
+    return _OP.reason
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> PackedInt4:
@@ -102,4 +83,4 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> PackedInt4
 
 def q4_linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int) -> torch.Tensor:
     """y [M, N] = x [M, K] fp32 @ W.T, W as `pack` left it; call only when `available()`."""
-    return _State.op(x, codes, sb, n, _k.pool_threads())
+    return _OP.op(x, codes, sb, n, _k.pool_threads())
