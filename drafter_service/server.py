@@ -91,7 +91,8 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
     workers = cfg.max_streams + 4
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
                          options=options, maximum_concurrent_rpcs=workers)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens), server)
+    servicer = DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -2,9 +2,10 @@
 
 Memory is bounded by `max_sessions` (each session may hold a KV cache) and `max_total_tokens`
 (the committed tokens of all sessions, which their caches hold): beyond either, the least
-recently used other sessions are evicted; sessions idle for longer than `idle_timeout_s` are evicted by `sweep`
-(called on every change and periodically by the server). Evicting closes the session, which
-frees its cache; a later request for it gets an error. Shared by all streams of the service.
+recently used other sessions are evicted; sessions idle for longer than `idle_timeout_s` are
+evicted by `sweep` (called on every change and periodically by the server). Evicting closes the
+session, which frees its cache; a later request for it gets an error. Shared by all streams of the
+service.
 
 Evicted sessions are closed outside the table's lock: closing waits for the session's own unit
 of work in progress, and no thread holds a session's lock while it takes the table's.

@@ -384,8 +384,8 @@ def machine_info() -> dict:
             "amx": [f for f in flags if f.startswith("amx")], "machine_threads": os.cpu_count(),
             "commit_full": commit, "torch": torch.__version__, "transformers": transformers.__version__,
             "llama_cpp_python": llama, "llama_cpp_system_info": llama_build,
-            "integer_kernel": qdot.describe(),
-            "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})"}  # this process's thread count; each service names its own at start
+            "integer_kernel": qdot.describe(),  # this process's thread count; each service names its own at start
+            "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})"}
 
 
 def checks(results: list[dict]) -> dict:

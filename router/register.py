@@ -120,15 +120,18 @@ def start_heartbeat(redis_url: str, role: str, address: str, model: str = "", ca
     `prefix` None = $SPECMESH_REDIS_PREFIX, else the default (as the router's --redis-prefix)."""
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     ep = Endpoint(address=address, role=Role(role), model=model, capacity=capacity)
-    prefix = prefix if prefix is not None else os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
-    return Heartbeat(client, ep, load, interval_s, ttl_s, prefix).start()
+    return Heartbeat(client, ep, load, interval_s, ttl_s, _prefix(prefix)).start()
+
+
+def _prefix(prefix: str | None) -> str:
+    """The registry's key prefix: `prefix`, else $SPECMESH_REDIS_PREFIX, else the default."""
+    return prefix if prefix is not None else os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
 
 
 def registered_role(client: redis.Redis, address: str, prefix: str | None = None) -> Role | None:
     """The role `address` holds in the registry (a live heartbeat), or None. Raises RedisError.
     `prefix` None = $SPECMESH_REDIS_PREFIX, else the default."""
-    prefix = prefix if prefix is not None else os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
-    raw = client.get(Keys(prefix).endpoint(address))
+    raw = client.get(Keys(_prefix(prefix)).endpoint(address))
     return None if raw is None else endpoint_from_json(raw).role
 
 

@@ -118,9 +118,6 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
-FUSE_PROJECTIONS = True  # tests switch it off to compare against the separate products
-
-
 def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """Each of `layers` applied to x, consecutive layers that `quant.fuse_qdot` can join run as one
     product (q/k/v, gate/up: decode steps pay per product, not only per weight byte). The plan is
@@ -132,7 +129,7 @@ def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tens
 
         runs: list[list[nn.Module]] = []
         for m in layers:
-            key = fusion_key(m) if FUSE_PROJECTIONS else None
+            key = fusion_key(m)
             if runs and key is not None and fusion_key(runs[-1][-1]) == key:
                 runs[-1].append(m)
             else:

@@ -47,6 +47,11 @@ class VerifierConfig:
         return self.tp == 1 and (self.batching == "on" or (self.batching == "auto" and self.threads > 1))
 
 
+def _address_list(value: str) -> tuple[str, ...]:
+    """"a:1, b:*" -> ("a:1", "b:*") (argparse applies it to the string default too)."""
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     env = os.environ.get
     d = VerifierConfig()
@@ -69,8 +74,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--dtype", choices=tuple(DTYPES), default=env("SPECMESH_DTYPE", d.dtype),
                    help="weights and KV cache (float32 keeps greedy output bitwise the target's; see specmesh.device)")
     p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
-    p.add_argument("--drafter-allow", type=lambda v: tuple(a.strip() for a in v.split(",") if a.strip()),
-                   default=tuple(a.strip() for a in env("SPECMESH_DRAFTER_ALLOW", "").split(",") if a.strip()),
+    p.add_argument("--drafter-allow", type=_address_list, default=env("SPECMESH_DRAFTER_ALLOW", ""),
                    help="comma list of host:port a request's drafter_address may name, besides --drafter and "
                         "the drafters registered in --redis-url's registry (anything else is refused)")
     p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)),
