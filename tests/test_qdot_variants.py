@@ -49,6 +49,23 @@ def test_each_variant_computes_the_stated_arithmetic(variant, bits, form):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("variant", qdot.runnable())
+def test_every_thread_split_covers_each_output_once_with_the_same_bits(variant):
+    """The kernel pool (pool.h) splits a product's chunks into one contiguous run per thread, and a
+    thread whose run is done takes what is left of the others'. More threads than cores, more than
+    chunks, uneven runs: every output is written, by the same operations."""
+    g = torch.Generator().manual_seed(7)
+    op = qdot._State.ops[variant]
+    for n in (8, 200, 3000):  # one chunk; a few; many, split unevenly
+        p, (q, scale, offset) = _layer(4, n, 512, "super", g)
+        x = torch.randn(3, 512, generator=g)
+        alone = op(x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, 1)
+        want = _reference(x, q, scale, offset)
+        assert (alone.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        for threads in (2, 3, 7):
+            assert torch.equal(op(x, p.codes, p.sb, p.sc, p.n, p.bits, p.s, threads), alone), (n, threads)
+
+
 @SEVERAL
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits,form", FORMS)

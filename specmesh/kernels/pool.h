@@ -20,15 +20,36 @@
 
 namespace specmesh_pool {
 
-// A job: chunks [0, chunks) of a product, claimed with `next`; `active` counts the workers inside.
+// A job: chunks [0, chunks) of a product in `ranges` contiguous runs, one a thread: each thread
+// walks its own run in order (a stream the hardware prefetcher follows), then takes what is left of
+// the others' (a thread descheduled on a shared machine holds no work back). `active` counts the
+// workers inside.
 struct Job {
-  std::atomic<int64_t> next{0};
+  static constexpr int MAX_RANGES = 64;
+  struct alignas(64) Run {
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+  std::atomic<int> joined{0};
   std::atomic<int> active{0};
-  int64_t chunks = 0;
+  int ranges = 1;
   void (*run)(const void*, int64_t) = nullptr;
   const void* ctx = nullptr;
+  Run runs[MAX_RANGES];
+
+  void split(int64_t chunks, int threads) {
+    ranges = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({threads, chunks, MAX_RANGES})));
+    for (int r = 0; r < ranges; ++r) {
+      runs[r].next.store(chunks * r / ranges, std::memory_order_relaxed);
+      runs[r].end = chunks * (r + 1) / ranges;
+    }
+  }
   void work() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) run(ctx, c);
+    const int first = joined.fetch_add(1, std::memory_order_relaxed) % ranges;
+    for (int k = 0; k < ranges; ++k) {
+      Run& r = runs[(first + k) % ranges];
+      for (int64_t c; (c = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) run(ctx, c);
+    }
   }
 };
 
@@ -115,14 +136,15 @@ inline Pool& pool() {
 // process's budget: `specmesh.kernels.pool_threads()`, passed by each op's caller).
 inline void parallel_chunks(int64_t chunks, void (*run)(const void*, int64_t), const void* ctx, int64_t threads) {
   Job job;
-  job.chunks = chunks;
   job.run = run;
   job.ctx = ctx;
   Pool& workers = pool();
   std::unique_lock<std::mutex> lock(*g_caller, std::try_to_lock);
   if (threads <= 1 || chunks <= 1 || !lock.owns_lock() || at::in_parallel_region()) {
+    job.split(chunks, 1);
     job.work();
   } else {
+    job.split(chunks, static_cast<int>(std::min<int64_t>(threads, 256)));
     workers.run(job, static_cast<int>(std::min<int64_t>(threads, 256)));
   }
 }
