@@ -365,7 +365,7 @@ def machine_info() -> dict:
     """CPU model and vector flags (as the kernel dispatch keys them), threads, library versions, HEAD."""
     import transformers
 
-    from specmesh.kernels import attention, qdot
+    from specmesh.kernels import attention, glue, qdot
     from specmesh.kernels.dispatch import cpu_flags, cpu_model
 
     try:
@@ -385,7 +385,8 @@ def machine_info() -> dict:
             "commit_full": commit, "torch": torch.__version__, "transformers": transformers.__version__,
             "llama_cpp_python": llama, "llama_cpp_system_info": llama_build,
             "integer_kernel": qdot.describe(),  # this process's thread count; each service names its own at start
-            "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})"}
+            "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})",
+            "glue": "specmesh kernels" if glue.available() else f"torch ops ({glue.reason()})"}
 
 
 def checks(results: list[dict]) -> dict:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh import kernels
-from specmesh.kernels import attention
+from specmesh.kernels import attention, glue
 from specmesh.kv_cache import KVCache
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -83,8 +83,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if glue.runs(x) and self.weight.dtype == torch.float32:
+            return glue.rms_norm(x, self.weight, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+    def after_add(self, h: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + a, this norm of it): a residual add and the next layer's norm, one op where it runs."""
+        if glue.runs(h) and a.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return glue.add_rms_norm(h, a, self.weight, self.eps)
+        h = h + a
+        return h, self(h)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +211,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = _side_by_side(self, (self.q_proj, self.k_proj, self.v_proj), x)
-        q = q.view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
-        k = k.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
-        v = v.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if glue.runs(q) and d % 16 == 0 and cos.dtype == torch.float32:
+            q, k, v = glue.rope(q, k, v, cos, sin, d)  # [H, T, D], [H_kv, T, D] x 2
+        else:
+            q = q.view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
+            k = k.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
+            v = v.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         outs, row = [], 0
         for s in segments:  # projections are shared by the batch; attention is per cache
             n = s.tokens.shape[0]
@@ -233,7 +245,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _side_by_side(self, (self.gate_proj, self.up_proj), x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(glue.silu_mul(gate, up) if glue.runs(gate) else F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -331,11 +343,17 @@ class Transformer(nn.Module):
             feats = torch.cat([s.features for s in segments]) if len(segments) > 1 else segments[0].features
             h = self.fc(torch.cat([feats.to(h.device, h.dtype), h], dim=-1))  # [T, hidden]
         reduce = self.tp_all_reduce
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn(layer.input_layernorm(h), cos, sin, segments, i)
-            h = h + (reduce(a) if reduce else a)
-            m = layer.mlp(layer.post_attention_layernorm(h))
-            h = h + (reduce(m) if reduce else m)
+        layers = self.model.layers
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):  # each residual add runs with the norm after it
+            a = layer.self_attn(x, cos, sin, segments, i)
+            h, x = layer.post_attention_layernorm.after_add(h, reduce(a) if reduce else a)
+            m = layer.mlp(x)
+            m = reduce(m) if reduce else m
+            if i + 1 < len(layers):
+                h, x = layers[i + 1].input_layernorm.after_add(h, m)
+            else:
+                h = h + m
         picked, row = [], 0  # the rows each segment wants logits for; one lm_head product for all
         for s in segments:
             n = s.tokens.shape[0]

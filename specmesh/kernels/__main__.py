@@ -40,9 +40,10 @@ if qdot.available() and args.report:  # which build runs per layout and row coun
         print(f"  {bits}-bit, us per call by rows: " + "; ".join(
             f"{v} " + " ".join(f"{m}:{us:.0f}" for m, us in by_rows.items()) for v, by_rows in cells.items()))
 print(f"ggml kernels: {f'active ({ggml.provider()})' if ggml.load() else f'not used ({ggml.reason()})'}")
-from specmesh.kernels import attention  # noqa: E402 - exact row attention (fp32 CPU models)
+from specmesh.kernels import attention, glue  # noqa: E402 - exact row attention, layer glue (fp32 CPU)
 
 print(f"row attention kernel: {f'active ({attention.library_path()})' if attention.load() else f'not used ({attention.reason()})'}")
+print(f"glue kernels: {f'active ({glue.library_path()})' if glue.available() else f'not used ({glue.reason()})'}")
 if args.report or args.target:
     if args.target:
         from specmesh.loader import load_model
