@@ -3,11 +3,14 @@
 Pairs: the bundled SmolLM2-135M target with its shipped feature drafter (what `--drafter auto`
 picks), and Qwen2.5-Coder 0.5B drafting for 1.5B (GGUF files of `specmesh models install
 qwen2.5-coder`; opt-in: when not installed its entry says so). Per pair, one verifier and one
-drafter service on 127.0.0.1, each with 1 torch thread (the drafter's core stands for the
-drafter's own cheaper hardware), requests with token ids, and these rows:
+drafter service on 127.0.0.1 with the threads `specmesh up` gives them by default (the machine's
+cores each; `--service-threads N` for N each), requests with token ids, and these rows:
 - autoregressive through the verifier (speculation disabled): the unit of every ratio;
 - speculation with the server's default settings, pipelining off and on, greedy, plus one sampled
-  run (temperature 0.7, seeded) with the defaults, pipelining on;
+  run (temperature 0.7, seeded) with the defaults. The defaults row (`defaults_row`) is what a
+  request without options gets: with `--pipelining auto`, a verifier whose threads take every core
+  and a drafter on the same machine take turns, so it is pipelining off; the pipelining-on rows
+  then run on a second verifier started with `--pipelining on`;
 - fixed shapes for reference, chain 4 (budget 4, depth 4) and tree 8/4, pipelining off and on
   (`SpeculationOptions.fixed` when the proto has it, else the shape is sent as plain caps: see
   meta "fixed_shapes_sent_as");
@@ -64,6 +67,7 @@ PAIRS = ("smollm2", "qwen2.5-coder")
 RESULTS = Path(__file__).parent / "results"
 TEMPERATURE, SEED = 0.7, 1234
 AR = "services autoregressive"
+SAMPLED = f"services defaults, sampled T={TEMPERATURE}"
 
 
 @dataclass
@@ -80,15 +84,22 @@ class Row(Config):
     runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
 
 
-def service_rows(threads: int = 1) -> list[Row]:
+def service_rows(threads: str) -> list[Row]:
     rows = [Row(AR, "tp1", threads=threads)]
     for shape, budget, depth, fixed in (("default", 0, 0, False), ("chain 4", 4, 4, True), ("tree 8/4", 8, 4, True)):
         for pipe in (False, True):
             rows.append(Row(f"services {shape} pipelining {'on' if pipe else 'off'}", "tp1", "drafter", pipe,
                             budget=budget, depth=depth, fixed=fixed, shape=shape, threads=threads))
-    rows.append(Row(f"services default pipelining on, sampled T={TEMPERATURE}", "tp1", "drafter", True, budget=0,
-                    depth=0, shape="default", sampled=True, threads=threads))
+    rows.append(Row(SAMPLED, "tp1", "drafter", True, budget=0, depth=0, shape="default", sampled=True, threads=threads))
     return rows
+
+
+def service_threads(asked: int) -> tuple[int, int]:
+    """(drafter threads, verifier threads): as asked, or with 0 what `specmesh up` gives each
+    service by default (`ClusterSpec.service_threads`)."""
+    from specmesh.cluster import ClusterSpec
+
+    return ClusterSpec(threads=asked).service_threads()
 
 
 @dataclass
@@ -161,8 +172,9 @@ def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: froze
     from specmesh.sampling import SamplingParams
 
     params = SamplingParams(TEMPERATURE, seed=SEED) if r.sampled else None
-    if r.where == "tp1":
-        return run_remote(r, address, ids, None, n, params, stop)
+    if r.where == "tp1":  # pipelining asked for where the defaults take turns: the verifier told to pipeline
+        pipe = r.pipelined and not r.sampled and "tp1-pipe" in address
+        return run_remote(r, address | {"tp1": address["tp1-pipe"]} if pipe else address, ids, None, n, params, stop)
     kernels.set_threads(r.threads)  # peers: torch at the whole budget
     if r.where == "inproc":
         model, drafter = r.runner
@@ -189,7 +201,7 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = "float32", services_only: bool = False, service_threads: int = 1) -> dict:
+               dtype: str = "float32", services_only: bool = False, service_threads_asked: int = 0) -> dict:
     """Start the pair's services (weights as `dtype`), run every row on every prompt (interleaved),
     stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
     weight format (the in-process fp32 rows beside another format report agreement only)."""
@@ -202,14 +214,21 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
     if dtype != "float32":
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
-    rows = service_rows(service_threads) + ([] if services_only else loaded.rows)
+    from verifier_service.config import VerifierConfig
+
+    dt, vt = service_threads(service_threads_asked)
+    rows = service_rows(f"drafter {dt}, verifier {vt}") + ([] if services_only else loaded.rows)
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
-    st = str(service_threads)
-    procs = {"drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", st,
+    procs = {"drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", str(dt),
                               "--dtype", dtype)}
-    procs["tp1"] = start("verifier_service", "--threads", st, "--target", loaded.target, "--dtype", dtype,
-                         "--drafter-allow", procs["drafter"].address)  # requests name it (drafter_address)
+    verifier = ("verifier_service", "--threads", str(vt), "--target", loaded.target, "--dtype", dtype,
+                "--drafter-allow", procs["drafter"].address)  # requests name it (drafter_address)
+    procs["tp1"] = start(*verifier)  # the defaults: --pipelining auto
+    pipelines = VerifierConfig(threads=vt).pipelines(procs["drafter"].address)
+    if not pipelines:  # the defaults take turns: the pipelining-on rows need a verifier told to pipeline
+        procs["tp1-pipe"] = start(*verifier, "--pipelining", "on")
+    defaults = f"services default pipelining {'on' if pipelines else 'off'}"
     banner = next((line.strip() for line in procs["tp1"].lines if "listening on" in line), "")
     try:
         address = {k: p.address for k, p in procs.items()}
@@ -236,7 +255,12 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
         for p in procs.values():
             p.stop()
     return {"pair": pair, "target": loaded.target, "drafter": loaded.drafter, "stop_ids": sorted(stop),
-            "services_dtype": dtype, "verifier_banner": banner,
+            "services_dtype": dtype, "verifier_banner": banner, "service_threads": {"drafter": dt, "verifier": vt},
+            "defaults_row": defaults,
+            "defaults_row_why": f"what a request without speculation options gets from a verifier with --threads {vt} "
+                                f"and --pipelining auto, its drafter on 127.0.0.1 (verifier_service.config.pipelines); "
+                                f"pipelining-on rows then ran on a second verifier started with --pipelining on"
+                                if not pipelines else "the verifier pipelines by default here",
             "default_shape": f"services: the verifier's defaults (no budget/depth sent); in-process: "
                              f"budget {spec.budget}, depth {spec.depth} (specmesh.engine.SpecConfig)",
             "results": summarise(rows, len(prompts))}
@@ -251,7 +275,7 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
     out = []
     for r in rows:
         kind = {"tp1": "services", "inproc": "in-process", "hf": "transformers", "llama": "llama.cpp"}[r.where]
-        threads = f"{r.threads} per service" if r.where == "tp1" else r.split or r.threads
+        threads = r.threads if r.where == "tp1" else r.split or r.threads
         d: dict = {"name": r.name, "kind": kind, "threads": threads, "status": r.status}
         if r.status != "ok":
             out.append(d)
@@ -389,13 +413,14 @@ def machine_info() -> dict:
             "glue": "specmesh kernels" if glue.available() else f"torch ops ({glue.reason()})"}
 
 
-def checks(results: list[dict]) -> dict:
-    """The issue's criteria that this one run can decide, from the rows above."""
+def checks(results: list[dict], defaults: str) -> dict:
+    """The issue's criteria that this one run can decide, from the rows above; `defaults`: the row
+    that is what a request without speculation options gets."""
     by = {d["name"]: d for d in results if d["status"] == "ok"}
 
     def tps(name: str) -> float | None:
         return by[name]["tokens_per_s"] if name in by else None
-    ar, dflt = tps(AR), tps("services default pipelining on")
+    ar, dflt = tps(AR), tps(defaults)
     hf = [v for k, v in ((k, d["tokens_per_s"]) for k, d in by.items()) if k.startswith("transformers")]
     fixed = [d["tokens_per_s"] for k, d in by.items() if k.startswith(("services chain", "services tree"))]
     out: dict = {}
@@ -408,8 +433,9 @@ def checks(results: list[dict]) -> dict:
     pairs = [(k, _off_twin(k)) for k in by if k.startswith("services") and k.endswith("pipelining on")]
     out["pipelining_on_vs_off"] = {k: round(by[k]["tokens_per_s"] / by[o]["tokens_per_s"], 3)
                                    for k, o in pairs if o in by}
-    if "of_bound" in by.get("services default pipelining on", {}):
-        out["default_of_bound"] = by["services default pipelining on"]["of_bound"]
+    out["defaults_row"] = defaults
+    if "of_bound" in by.get(defaults, {}):
+        out["default_of_bound"] = by[defaults]["of_bound"]
     nones = [d for k, d in by.items() if k.startswith("in-process none")]  # fp32 first, then the services' format
     hf_plain = next((d for k, d in by.items() if k.startswith("transformers generate")), None)
     if nones and hf_plain:  # fp32 on both sides
@@ -473,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 2 prompts x 12 tokens")
     ap.add_argument("--skip-peers", action="store_true", help="no transformers or llama.cpp rows")
     ap.add_argument("--services-only", action="store_true", help="only the services' rows (a quick probe)")
-    ap.add_argument("--service-threads", type=int, default=1,
-                    help="--threads of each service process (the verifier, the drafter); default 1")
+    ap.add_argument("--service-threads", type=int, default=0,
+                    help="--threads of each service process (the verifier, the drafter); default 0: what "
+                         "`specmesh up` gives them (the machine's cores each)")
     ap.add_argument("--dtype", default="float32",
                     help="the services' weights (verifier and drafter --dtype; auto: measured here), and "
                          "in-process rows in that format beside the fp32 ones")
@@ -505,12 +532,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         report = bench_pair(pair, texts, n, threads, not (args.skip_peers or args.services_only),
                             log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
-                            services_only=args.services_only, service_threads=args.service_threads)
-        report["checks"] = checks(report["results"])
+                            services_only=args.services_only, service_threads_asked=args.service_threads)
+        report["checks"] = checks(report["results"], report["defaults_row"])
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
     meta = base_meta() | machine_info() | {
-        "service_threads": f"--threads {args.service_threads} per service process (verifier, drafter)",
+        "service_threads": (f"--threads {args.service_threads} per service process (verifier, drafter)"
+                            if args.service_threads else "specmesh up's default (ClusterSpec.service_threads): "
+                            "the machine's cores for each service, which take turns"),
         "in_process_threads": threads, "num_prompts": len(texts), "prompts": texts,
         "prompt_split": "heldout (specmesh.distill.prompts), chat template", "max_tokens": n,
         "stop": "the tokenizer's and generation config's EOS ids", "sampled_run": {"temperature": TEMPERATURE,

@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="router gRPC port (default: a free one)")
     p.add_argument("--http-port", type=int, default=d.http_port,
                    help="router HTTP port (default: a free one; -1 = no HTTP API)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per service and TP rank (default 1)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads per service and TP rank (default 0 = auto: the machine's cores for each "
+                        "service, a TP rank its share; drafting and verification then take turns)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints on the verifier and drafters")
     p.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""),
                    help="PEM certificate (naming 127.0.0.1) every service presents; with --tls-key and --tls-ca: "
@@ -150,7 +152,7 @@ def run(cfg: UpConfig) -> int:
     try:
         s = cfg.cluster
         _err(f"starting redis ({'external' if s.redis_url else 'embedded'}), router, {s.drafters} drafter(s) "
-             f"({s.drafter}), verifier (tp={s.tp}), {s.threads} thread(s) each")
+             f"({s.drafter}), verifier (tp={s.tp}), threads: {'%d a drafter, %d a verifier rank' % s.service_threads()}")
         t0 = time.monotonic()
         cluster.start(stop.is_set)
         _err(f"up in {time.monotonic() - t0:.1f}s")

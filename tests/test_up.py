@@ -40,7 +40,19 @@ def test_flags_become_the_cluster_spec():
     cfg = parse("--drafters", "2", "--tp", "2", "--redis-url", "redis://127.0.0.1:1/0", "--port", "5", "--demo")
     assert cfg.cluster == ClusterSpec(drafters=2, tp=2, redis_url="redis://127.0.0.1:1/0", port=5,
                                       drafter=f"model:{bundled_drafter_path()}")  # auto: the shipped drafter
-    assert cfg.demo and cfg.cluster.threads == 1
+    assert cfg.demo and cfg.cluster.threads == 0  # auto
+
+
+def test_auto_threads_give_each_service_the_cores_and_a_tp_rank_its_share(monkeypatch):
+    from verifier_service import config
+
+    monkeypatch.setattr(config, "cpu_count", lambda: 8)
+    assert ClusterSpec().service_threads() == (8, 8)
+    assert ClusterSpec(tp=2).service_threads() == (8, 4)
+    assert ClusterSpec(tp=16).service_threads() == (8, 1)
+    assert ClusterSpec(threads=3, tp=2).service_threads() == (3, 3)
+    with pytest.raises(ValueError, match="threads"):
+        ClusterSpec(threads=-1).validate()
     assert parse("--target", "/x.gguf").cluster.drafter == "ngram"  # auto with another target
 
 

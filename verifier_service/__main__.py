@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     fmt = getattr(model, "weight_format", None)  # the model card: which weights, and what was requantized
     weights = fmt.describe() if fmt is not None else cfg.dtype
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {weights}, "
-          f"process group {backend}, threads/rank={kernels.describe_threads()}, batching {'on' if batched else 'off'})", flush=True)
+          f"process group {backend}, threads/rank={kernels.describe_threads()}, batching {'on' if batched else 'off'}, "
+          f"pipelining {cfg.pipelining})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
         from router.register import advertised_address, model_name, start_heartbeat

@@ -27,7 +27,7 @@ class VerifierConfig:
     drafter_allow: tuple[str, ...] = ()  # other drafters a request may name (besides registered ones)
     budget: int = 8                    # default cap on draft nodes per step (the drafter's planner picks within)
     depth: int = 4                     # default cap on tree depth
-    pipelined: bool = True             # ask drafters to predraft the next step
+    pipelining: str = "auto"           # drafters predraft the next step: auto | on | off (`pipelines`)
     batching: str = "auto"             # TP=1: sessions share forwards (specmesh.batching): on | off | auto
     draft_deadline_s: float = 1.0      # cap on the wait for a tree (derived from the drafter's measured answers)
     reconnect_s: float = 2.0           # retry a failed drafter after this long
@@ -41,10 +41,34 @@ class VerifierConfig:
     tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (routers dial it); off = plaintext
     peer_tls: PeerTls = field(default_factory=PeerTls)  # the links to drafters; off = plaintext
 
+    def pipelines(self, drafter: str) -> bool:
+        """Whether steps drafted by `drafter` (HOST:PORT) predraft the next step while this one is
+        verified. auto: yes, unless that drafter runs on this machine (a loopback address) while
+        this verifier's threads already take every core: the two would only contend for the cores,
+        and taking turns gives each phase all of them (`specmesh up` starts its services so; README,
+        "Threads and pipelining")."""
+        if self.pipelining != "auto":
+            return self.pipelining == "on"
+        return not (on_this_machine(drafter) and self.threads * (self.tp_local_ranks or self.tp) >= cpu_count())
+
     @property
     def batched(self) -> bool:
         """Whether sessions share forwards: TP=1 only; `auto` = with more than one torch thread."""
         return self.tp == 1 and (self.batching == "on" or (self.batching == "auto" and self.threads > 1))
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether HOST:PORT names a loopback address."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _address_list(value: str) -> tuple[str, ...]:
@@ -80,7 +104,11 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)),
                    help="cap on draft nodes per step; the drafter's planner picks each step's shape within the caps")
     p.add_argument("--depth", type=int, default=int(env("SPECMESH_DEPTH", d.depth)), help="cap on tree depth")
-    p.add_argument("--no-pipelining", dest="pipelined", action="store_false")
+    p.add_argument("--pipelining", choices=("auto", "on", "off"), default=env("SPECMESH_PIPELINING", d.pipelining),
+                   help="drafters predraft the next step while this one is verified (auto: on, except with a "
+                        "drafter on this machine while --threads x local TP ranks take every core: then they "
+                        "take turns; a request can still turn it off: speculation.no_pipelining)")
+    p.add_argument("--no-pipelining", dest="pipelining", action="store_const", const="off", help="= --pipelining off")
     p.add_argument("--batching", choices=("auto", "on", "off"), default=env("SPECMESH_BATCHING", d.batching),
                    help="--tp 1: concurrent sessions share forwards (auto: on with --threads > 1; with one "
                         "thread, concurrent per-session forwards use the other cores instead, measured faster)")

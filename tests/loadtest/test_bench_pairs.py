@@ -50,7 +50,7 @@ def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_
     assert rows["transformers generate (2 threads)"]["greedy_identical_prompts"] == "1/1"
     assert rows["llama.cpp plain (1 thread)"] == {"name": "llama.cpp plain (1 thread)", "kind": "llama.cpp",
                                                  "threads": 1, "status": "not installed (llama-cpp-python: no module)"}
-    c = checks(list(rows.values()))
+    c = checks(list(rows.values()), "services default pipelining on")
     assert c["default_vs_autoregressive"] == pytest.approx((20 / 1.0) / (11 / 1.2), abs=1e-2)
     assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(20.0 / 18.33, abs=1e-3)}
 
@@ -59,7 +59,7 @@ def test_checks_hold_the_verifier_against_llama_cpp_at_one_thread() -> None:
     rows = _rows()
     rows[-1] = Row("llama.cpp plain (1 thread)", "llama", tokens=11, seconds=2.4, decode_tokens=10, decode_s=2.0,
                    threads=1, agree_prompts=1, agree_tokens=11, ref_tokens=11)
-    c = checks(summarise(rows, 1))
+    c = checks(summarise(rows, 1), "services default pipelining on")
     assert c["verifier_decode_vs_llama_1_thread"] == pytest.approx(10 / 5)  # 10 vs 5 tok/s in decode
     assert c["greedy_identical"] is True
 
@@ -74,9 +74,17 @@ def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
     for key in ("cpu_model", "avx2", "avx512", "machine_threads", "commit_full", "torch", "transformers",
                 "llama_cpp_python", "service_threads", "fixed_shapes_sent_as", "prompts"):
         assert key in meta, key
-    assert meta["service_threads"].startswith("--threads 1 per service")  # said in the output, as run
+    assert meta["service_threads"].startswith("specmesh up's default")  # said in the output, as run
     (pair,) = report["pairs"]
     assert pair["pair"] == "smollm2"
+    from specmesh.cluster import ClusterSpec
+    from verifier_service.config import VerifierConfig
+
+    drafter_threads, verifier_threads = ClusterSpec().service_threads()
+    assert pair["service_threads"] == {"drafter": drafter_threads, "verifier": verifier_threads}
+    takes_turns = not VerifierConfig(threads=verifier_threads).pipelines("127.0.0.1:1")
+    assert pair["defaults_row"] == f"services default pipelining {'off' if takes_turns else 'on'}"
+    assert pair["checks"]["defaults_row"] == pair["defaults_row"]
     rows = {d["name"]: d for d in pair["results"]}
     for name in (AR, "services default pipelining off", "services default pipelining on",
                  "services chain 4 pipelining off", "services chain 4 pipelining on",

@@ -1,0 +1,43 @@
+"""The verifier's pipelining setting (verifier_service.config): `auto` predrafts unless the drafter
+shares this machine's cores with a verifier that already takes them all; on and off are kept as
+given; `--no-pipelining` is `off`."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifier_service import config
+from verifier_service.config import VerifierConfig, on_this_machine, parse_args
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.setattr(config, "cpu_count", lambda: 2)
+
+
+def test_auto_takes_turns_only_with_a_local_drafter_on_cores_the_verifier_fills(two_cores):
+    fills, half = VerifierConfig(threads=2), VerifierConfig(threads=1)
+    assert not fills.pipelines("127.0.0.1:5000") and not fills.pipelines("localhost:5000")
+    assert not fills.pipelines("[::1]:5000")
+    assert fills.pipelines("10.0.0.7:5000") and fills.pipelines("drafter.specmesh.svc:50061")
+    assert half.pipelines("127.0.0.1:5000")  # a core is left for the drafter
+    assert not VerifierConfig(threads=1, tp=2).pipelines("127.0.0.1:5000")  # two local ranks fill both
+    assert VerifierConfig(threads=1, tp=2, tp_local_ranks=1).pipelines("127.0.0.1:5000")
+
+
+def test_on_and_off_are_kept_as_given(two_cores):
+    assert VerifierConfig(threads=2, pipelining="on").pipelines("127.0.0.1:5000")
+    assert not VerifierConfig(threads=1, pipelining="off").pipelines("10.0.0.7:5000")
+
+
+def test_flags():
+    assert parse_args([]).pipelining == "auto"
+    assert parse_args(["--pipelining", "on"]).pipelining == "on"
+    assert parse_args(["--no-pipelining"]).pipelining == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--pipelining", "sometimes"])
+
+
+def test_loopback_addresses():
+    assert on_this_machine("127.0.0.2:1") and on_this_machine("LOCALHOST:1")
+    assert not on_this_machine("x127.example.com:1") and not on_this_machine("192.168.0.1:1")
