@@ -75,7 +75,7 @@ class ClusterSpec:
         (README, "Threads and pipelining")."""
         if self.threads:
             return self.threads, self.threads
-        from verifier_service.config import cpu_count
+        from specmesh.kernels import cpu_count
 
         cores = cpu_count()
         return cores, max(1, cores // self.tp)

@@ -44,9 +44,9 @@ def test_flags_become_the_cluster_spec():
 
 
 def test_auto_threads_give_each_service_the_cores_and_a_tp_rank_its_share(monkeypatch):
-    from verifier_service import config
+    from specmesh import kernels
 
-    monkeypatch.setattr(config, "cpu_count", lambda: 8)
+    monkeypatch.setattr(kernels, "cpu_count", lambda: 8)
     assert ClusterSpec().service_threads() == (8, 8)
     assert ClusterSpec(tp=2).service_threads() == (8, 4)
     assert ClusterSpec(tp=16).service_threads() == (8, 1)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from specmesh.device import DTYPES
+from specmesh.kernels import cpu_count
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 from verifier_service.tp_join import parse_hostport
 
@@ -55,14 +56,6 @@ class VerifierConfig:
     def batched(self) -> bool:
         """Whether sessions share forwards: TP=1 only; `auto` = with more than one torch thread."""
         return self.tp == 1 and (self.batching == "on" or (self.batching == "auto" and self.threads > 1))
-
-
-def cpu_count() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def on_this_machine(address: str) -> bool:

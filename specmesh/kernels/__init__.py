@@ -56,6 +56,14 @@ def set_threads(budget: int, torch_ops: int | None = None) -> None:
     _Threads.budget = budget
 
 
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def pool_threads() -> int:
     """Threads one product on specmesh's kernels may use: `set_threads`'s budget, else torch's count."""
     return _Threads.budget or torch.get_num_threads()
