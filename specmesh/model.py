@@ -83,14 +83,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if glue.runs(x) and self.weight.dtype == torch.float32:
+        if glue.runs(x, self.weight) and self.weight.dtype == torch.float32:
             return glue.rms_norm(x, self.weight, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
 
     def after_add(self, h: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + a, this norm of it): a residual add and the next layer's norm, one op where it runs."""
-        if glue.runs(h) and a.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        if glue.runs(h, a, self.weight) and a.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return glue.add_rms_norm(h, a, self.weight, self.eps)
         h = h + a
         return h, self(h)
@@ -211,7 +211,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = _side_by_side(self, (self.q_proj, self.k_proj, self.v_proj), x)
-        if glue.runs(q) and d % 16 == 0 and cos.dtype == torch.float32:
+        if glue.runs(q, k, v) and d % 16 == 0 and cos.dtype == torch.float32:
             q, k, v = glue.rope(q, k, v, cos, sin, d)  # [H, T, D], [H_kv, T, D] x 2
         else:
             q = q.view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
@@ -245,7 +245,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _side_by_side(self, (self.gate_proj, self.up_proj), x)
-        return self.down_proj(glue.silu_mul(gate, up) if glue.runs(gate) else F.silu(gate) * up)
+        return self.down_proj(glue.silu_mul(gate, up) if glue.runs(gate, up) else F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -38,8 +38,12 @@ def reason() -> str:
     return _OP.reason
 
 
-def runs(x: torch.Tensor) -> bool:
-    """Whether these ops take rows like `x` ([T, width] fp32 on the CPU, width a multiple of 8)."""
+def runs(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether these ops take rows like `x` ([T, width] fp32 on the CPU, width a multiple of 8) with
+    `others` (the op's other inputs and weights): not where autograd needs a gradient through them
+    (the ops have no backward; training keeps torch's code, as `kernels.linear` does)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)):
+        return False
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] % 8 == 0 and available()
 
 
@@ -48,7 +52,7 @@ def _ops():
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _OP.op(_rows(x), weight, eps, _k.pool_threads())
+    return _ops().rms_norm(_rows(x), weight, eps, _k.pool_threads())
 
 
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

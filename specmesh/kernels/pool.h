@@ -144,8 +144,9 @@ inline void parallel_chunks(int64_t chunks, void (*run)(const void*, int64_t), c
     job.split(chunks, 1);
     job.work();
   } else {
-    job.split(chunks, static_cast<int>(std::min<int64_t>(threads, 256)));
-    workers.run(job, static_cast<int>(std::min<int64_t>(threads, 256)));
+    const int team = static_cast<int>(std::min<int64_t>(threads, 256));
+    job.split(chunks, team);
+    workers.run(job, team);
   }
 }
 
