@@ -230,7 +230,7 @@ def _check_shape(budget: int, depth: int) -> None:
 
 def _response(sid: str, st: StepTree) -> drafter_pb2.DraftResponse:
     return drafter_pb2.DraftResponse(session_id=sid, step=st.step, position=st.position,
-                                     tree=tree_to_pb(st.tree), predrafted=st.predrafted)
+                                     tree=tree_to_pb(st.tree), predrafted=st.predrafted, plain_steps=st.plain)
 
 
 def _pump(requests: Iterator[drafter_pb2.DrafterRequest], inbox: queue.Queue) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_PERCENTILES = (90.0, 99.0)
 SPEC_FIELDS = ("steps", "drafted_tokens", "accepted_tokens", "rejected_trees", "drafter_timeouts",
-               "predraft_hits", "draft_s", "verify_s")
+               "predraft_hits", "draft_s", "verify_s", "plain_steps")
 
 
 @dataclass

@@ -84,6 +84,7 @@ class SpeculationStats:
     predraft_hits: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    plain_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class VerifierMetrics:
         self.accepted = r.add(Counter(PREFIX + "accepted_tokens_total", "Draft tokens accepted."))
         self.timeouts = r.add(Counter(PREFIX + "drafter_timeouts_total", "Steps verified without a tree (deadline)."))
         self.hits = r.add(Counter(PREFIX + "predraft_hits_total", "Trees ready when the commit arrived."))
+        self.plain = r.add(Counter(PREFIX + "plain_steps_total",
+                                   "One-row steps of plain runs (the drafter chose no tree; no round trip)."))
         self.accepted_len = r.add(Histogram(PREFIX + "accepted_length", "Draft tokens accepted per verify step.",
                                             ACCEPTED_BUCKETS))
         self.tree_size = r.add(Histogram(PREFIX + "tree_size", "Draft tree nodes per verify step.", TREE_BUCKETS))
@@ -122,6 +124,7 @@ class VerifierMetrics:
         self.accepted.inc(s.accepted_tokens)
         self.timeouts.inc(out.timeouts)
         self.hits.inc(out.predraft_hits)
+        self.plain.inc(out.plain_steps)
         if s.drafted_tokens:
             self.rate.observe(s.accepted_tokens / s.drafted_tokens)
         if first is not None:

@@ -160,7 +160,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 acceptance_rate=s.acceptance_rate, tokens_per_step=s.tokens_per_step,
                 rejected_trees=s.rejected_trees, drafter_timeouts=out.timeouts,
                 verify_idle_fraction=s.draft_s / total, predraft_hits=out.predraft_hits,
-                draft_s=s.draft_s, verify_s=s.verify_s),
+                draft_s=s.draft_s, verify_s=s.verify_s, plain_steps=out.plain_steps),
         ))
 
     def CloseSession(self, request, context):

@@ -48,6 +48,7 @@ class Outcome:
     result: GenerationResult = field(default_factory=GenerationResult)
     timeouts: int = 0
     predraft_hits: int = 0
+    plain_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ class Verifier:
         finally:
             res.stats.total_s = time.perf_counter() - t0
             if source is not None:  # the drafter session stays with the session (closed with it)
-                out.timeouts, out.predraft_hits = source.timeouts, source.predraft_hits
+                out.timeouts, out.predraft_hits, out.plain_steps = (source.timeouts, source.predraft_hits,
+                                                                    source.plain_steps)
 
     def shutdown(self) -> None:
         self.links.shutdown()

@@ -56,7 +56,7 @@ class DraftTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_step", "rejected_trees", "drafter_timeouts", "verify_idle_fraction", "predraft_hits", "draft_s", "verify_s")
+    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_step", "rejected_trees", "drafter_timeouts", "verify_idle_fraction", "predraft_hits", "draft_s", "verify_s", "plain_steps")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class SpeculationStats(_message.Message):
     PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted_tokens: int
     accepted_tokens: int
@@ -79,4 +80,5 @@ class SpeculationStats(_message.Message):
     predraft_hits: int
     draft_s: float
     verify_s: float
-    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., rejected_trees: _Optional[int] = ..., drafter_timeouts: _Optional[int] = ..., verify_idle_fraction: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., rejected_trees: _Optional[int] = ..., drafter_timeouts: _Optional[int] = ..., verify_idle_fraction: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., plain_steps: _Optional[int] = ...) -> None: ...

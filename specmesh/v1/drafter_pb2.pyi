@@ -90,7 +90,7 @@ class CloseSession(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("session_id", "step", "position", "tree", "predrafted", "error", "ahead")
+    __slots__ = ("session_id", "step", "position", "tree", "predrafted", "error", "ahead", "plain_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class DraftResponse(_message.Message):
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     position: int
@@ -105,7 +106,8 @@ class DraftResponse(_message.Message):
     predrafted: bool
     error: str
     ahead: Ahead
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ..., error: _Optional[str] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ..., error: _Optional[str] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
 
 class Ahead(_message.Message):
     __slots__ = ("accepted", "depth")
