@@ -41,8 +41,9 @@ class DrafterMetrics:
         """Export what the planner weighs: the costs this process measured and the acceptance of
         its recent sessions (per depth and sibling rank, where tried)."""
         r = self.registry
-        terms = {"level": 0, "row": 1, "call": 2}
-        r.add(Gauge(PREFIX + "draft_cost_seconds", "Fitted draft call cost: seconds per level, per row fed, per call.",
+        terms = {"level": 0, "row": 1, "fed": 2, "call": 3}
+        r.add(Gauge(PREFIX + "draft_cost_seconds",
+                    "Fitted draft call cost: seconds per level, per tree row, per committed token fed first, per call.",
                     lambda: {(call, k): fit.coef[i] for call, fit in (("draft", costs.draft), ("draft_many", costs.draft_many))
                              for k, i in terms.items()}, ("call", "term")))
         r.add(Gauge(PREFIX + "verify_cost_seconds",

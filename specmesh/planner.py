@@ -3,9 +3,10 @@
 Inputs, each measured on the machine at hand (nothing assumes a wider level or a bigger tree is
 free; the priors below only hold until the first measurements):
 - `LinearCost`: seconds as a linear function of work. The drafter's cost of one draft call is
-  `a * levels + b * rows + c` (rows: the nodes fed over all its levels, so `b` is what width costs;
-  `c`: catching up on the committed tokens); the target's verification is `a + b * rows` (rows =
-  the pending token + the tree's nodes). How the terms compare is calibrated where the work runs
+  `a * levels + b * rows + f * fed + c` (rows: the nodes fed over all its levels, so `b` is what
+  width costs; fed: committed tokens the call feeds first, which need no scores, so `f` is far
+  below `b`; `c`: the call itself); the target's verification is `a + b * rows` (rows = the
+  pending token + the tree's nodes). How the terms compare is calibrated where the work runs
   (the drafter times its own calls at its start, the verifier its own steps at its start and sends
   them with each session); live calls rescale it as they come.
 - `Acceptance`: per depth and sibling rank, how often a drafted node was accepted given that its
@@ -14,8 +15,9 @@ free; the priors below only hold until the first measurements):
 
 `plan` picks, for one step, the tree shape (budget, depth) within the caps and, when pipelining,
 which outcomes of the step to predraft and with how many bonus candidates (`branches`), or no
-predrafting, or no speculation at all (the verifier's one-row step, E = 1), maximising expected
-tokens per second:
+predrafting, or no speculation at all (E = 1: a run of `plain_run` one-row steps that the verifier
+takes without asking, whose tokens the drafter feeds in one call later, so the link is paid once
+a run), maximising expected tokens per second:
 - tokens per step E(shape) = 1 + sum over nodes of P(node accepted) on the shape's topology
   (`grow_tree`'s, with the drafter's scores ranking siblings);
 - sequential: a step takes V + D (V = verification plus the link, D = drafting the tree);
@@ -80,7 +82,7 @@ class LinearCost:
         starts afresh at 1. Fewer samples than terms, or a singular set, leave the shape as is."""
         n = len(self.prior)
         good = [(f, y) for f, y in samples if y >= 0 and math.isfinite(y)]
-        free = list(range(n))
+        free = [i for i in range(n) if any(f[i] for f, _ in good)]  # a term never varied costs nothing seen
         while free and len(good) >= len(free):
             a = [[sum(f[i] * f[j] for f, _ in good) for j in free] for i in free]
             b = [sum(f[i] * y for f, y in good) for i in free]
@@ -133,8 +135,8 @@ class Costs:
     (reported by the verifier with each commit) and the link's share of a step (the time from
     sending a tree to its commit, less the verification)."""
 
-    draft: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.0)))  # levels, rows, 1
-    draft_many: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.0)))
+    draft: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.00002, 0.0)))  # levels, rows, fed, 1
+    draft_many: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.00002, 0.0)))
     verify: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))  # 1, rows
     # the same while the drafter predrafted beside it: on a CPU the two share memory bandwidth
     # (and maybe a core), so an overlapped verification can cost more than one alone
@@ -158,10 +160,10 @@ class Costs:
         use_overlapped = self.verify_overlapped.samples and (overlapped or not self.verify.samples)
         return (self.verify_overlapped if use_overlapped else self.verify)(1.0, rows)
 
-    def many(self, levels: float, rows: float) -> float:
+    def many(self, levels: float, rows: float, fed: float) -> float:
         """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
         fit = self.draft_many if self.draft_many.samples or self.draft_many.calibrated else self.draft
-        return fit(levels, rows, 1.0)
+        return fit(levels, rows, fed, 1.0)
 
     def add_link(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
@@ -351,12 +353,13 @@ def outcome_odds(t: Topology, table: list[list[float]]) -> list[tuple[int, float
 
 
 def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelined: bool,
-         batched: bool, fixed: bool = False, speculate: bool = False) -> Plan:
+         batched: bool, fixed: bool = False, speculate: bool = False, plain_run: int = 1) -> Plan:
     """The best plan for the next step (see the module docstring); `fixed`: the caps are the shape,
     only the predrafts are planned; `batched`: the drafter grows several predrafts in one call
-    (`draft_many`), else one call each. Not speculating at all (`Plan.budget` 0: an empty tree, the
-    verifier's one-row step) is a candidate unless `fixed` or `speculate` (a probe: the acceptance
-    it would be judged by comes only from trees that are verified)."""
+    (`draft_many`), else one call each. Not speculating at all (`Plan.budget` 0: an empty tree, a
+    run of `plain_run` one-row steps with one round trip) is a candidate unless `fixed` or
+    `speculate` (a probe: the acceptance it would be judged by comes only from trees that are
+    verified)."""
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
     calibration = acc.bonus_calibration
@@ -364,14 +367,14 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     if not (fixed or speculate):
         # the drafter feeds each committed token once anyway: pipelined, while the verifier steps;
         # else the next tree waits for it
-        catch_up = 0.0 if pipelined else costs.draft(0.0, 1.0, 0.0)
-        best = Plan(0, 0, (), 0, 1.0, costs.verify_s(1, False) + costs.link_s + catch_up)
+        catch_up = 0.0 if pipelined else costs.draft(0.0, 0.0, 1.0, 0.0)
+        best = Plan(0, 0, (), 0, 1.0, costs.verify_s(1, False) + costs.link_s / max(1, plain_run) + catch_up)
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
         v = costs.verify_s(1 + len(t.parents), False) + costs.link_s
         # a fresh tree after a miss first feeds what the step committed (e - 1 tokens beyond the bonus)
-        fresh = costs.draft(len(t.per_level), sum(t.per_level) + e - 1.0, 1.0)
+        fresh = costs.draft(len(t.per_level), sum(t.per_level), e - 1.0, 1.0)
         options = [Plan(b, d, (), 0, e, v + fresh)]
         if pipelined and t.parents:
             v = costs.verify_s(1 + len(t.parents), True) + costs.link_s
@@ -386,8 +389,8 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     m, held = len(chosen), max(chosen)  # the session first feeds the path it holds
                     # one outcome is one single-tree call (DraftAhead.predraft), several one
                     # draft_many call, or one call each
-                    pre = (costs.many(levels, m * rows + held) if batched and m > 1
-                           else m * costs.draft(levels, rows + held / m, 1.0))
+                    pre = (costs.many(levels, m * rows, held) if batched and m > 1
+                           else m * costs.draft(levels, rows, held / m, 1.0))
                     step = max(v, pre) + (1.0 - hit) * fresh
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
         for p in options:

@@ -99,7 +99,7 @@ def test_drafting_ahead_with_predicted_features_then_the_verifiers(trained):
     drafter = load_model_drafter(str(out))
     prompt = examples[2]["tokens"][:8].tolist()
     t, session = _session_at(drafter, target, prompt)
-    eager = Costs(draft=LinearCost((1e-6, 1e-7, 0.0)), verify=LinearCost((1.0, 0.0)))  # predraft everything
+    eager = Costs(draft=LinearCost((1e-6, 1e-7, 0.0, 0.0)), verify=LinearCost((1.0, 0.0)))  # predraft everything
     ahead = DraftAhead(session, len(prompt), SamplingParams(), pipelined=True, costs=eager, fixed=True)
     sent = ahead.first(4, 4)
     hits = 0

@@ -20,9 +20,12 @@ from specmesh.planner import (
 )
 
 
-def _costs(level_s: float, row_s: float, verify_s: float, verify_row_s: float = 0.0, link_s: float = 0.0) -> Costs:
-    """A synthetic cost table: a draft call costs level_s per level + row_s per row fed."""
-    return Costs(draft=LinearCost((level_s, row_s, 0.0)), verify=LinearCost((verify_s, verify_row_s)), link_s=link_s)
+def _costs(level_s: float, row_s: float, verify_s: float, verify_row_s: float = 0.0, link_s: float = 0.0,
+           fed_s: float = 0.0) -> Costs:
+    """A synthetic cost table: a draft call costs level_s per level + row_s per tree row + fed_s
+    per committed token it feeds first."""
+    return Costs(draft=LinearCost((level_s, row_s, fed_s, 0.0)), verify=LinearCost((verify_s, verify_row_s)),
+                 link_s=link_s)
 
 
 def _acceptance(alpha: float, side: float = 0.1, n: float = 1000.0) -> Acceptance:
@@ -250,12 +253,13 @@ def test_no_speculation_when_it_is_predicted_slower() -> None:
     """A drafter whose one level costs more than the verifier's step, and every row of the
     verification costing a third of a step: the empty tree (the verifier's one-row step) wins,
     unless the caps are fixed or a probe asks for a tree."""
-    costs, acc = _costs(0.2, 0.01, 0.06, 0.03), _acceptance(0.7)
+    costs, acc = _costs(0.2, 0.01, 0.06, 0.03, link_s=0.02, fed_s=0.01), _acceptance(0.7)
     for pipelined in (False, True):
-        p = plan(costs, acc, 8, 4, pipelined=pipelined, batched=True)
+        p = plan(costs, acc, 8, 4, pipelined=pipelined, batched=True, plain_run=4)
         assert (p.budget, p.depth, p.outcomes) == (0, 0, ())
-        # the verifier's one-row step; sequential, the drafter feeding that token after it (0.01)
-        assert p.tokens_per_s == pytest.approx(1 / (0.09 if pipelined else 0.10))
+        # the verifier's one-row step, the link once in a run of 4; sequential, the drafter
+        # feeding that token later (0.01)
+        assert p.tokens_per_s == pytest.approx(1 / (0.095 if pipelined else 0.105))
         probe = plan(costs, acc, 8, 4, pipelined=pipelined, batched=True, speculate=True)
         assert probe.budget >= 1
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True, fixed=True).budget == 8
@@ -268,7 +272,15 @@ def test_one_predraft_is_priced_as_the_single_tree_call_it_is() -> None:
     (its per-call overhead) must not keep a lone predraft from being planned."""
     acc = _acceptance(0.8, side=0.1)
     costs = _costs(0.01, 0.0, 0.1, 0.01)
-    costs.draft_many.fit_shape([((lv, rows, 1.0), 0.01 * lv + 1.0) for lv, rows in [(1, 2), (2, 2), (3, 6), (2, 8)]])
-    assert costs.many(2, 4) == pytest.approx(1.02)  # one second a call
+    costs.draft_many.fit_shape([((lv, rows, 0.0, 1.0), 0.01 * lv + 1.0) for lv, rows in [(1, 2), (2, 2), (3, 6), (2, 8)]])
+    assert costs.many(2, 4, 0) == pytest.approx(1.02)  # one second a call
     p = plan(costs, acc, 1, 1, pipelined=True, batched=True, fixed=True)
     assert p.outcomes and len(p.outcomes) == 1
+
+
+def test_a_plain_run_pays_the_link_once() -> None:
+    """A link that costs as much as a verification row: one plain step at a time pays it every
+    token and loses to a one-node tree; a run of 16 pays it once and wins."""
+    costs, acc = _costs(0.004, 0.001, 0.02, 0.002, link_s=0.01, fed_s=0.0001), _acceptance(0.45)
+    assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=1).budget >= 1
+    assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16).budget == 0

@@ -34,7 +34,7 @@ SAMPLE = SamplingParams(temperature=1.0, seed=3)
 def eager() -> Costs:
     """Costs under which predrafting every outcome is worth it: drafting nearly free (what the
     tests' drafters measure stays far below), verification slow (never reported here)."""
-    return Costs(draft=LinearCost((1e-6, 1e-7, 0.0)), verify=LinearCost((1.0, 0.0)))
+    return Costs(draft=LinearCost((1e-6, 1e-7, 0.0, 0.0)), verify=LinearCost((1.0, 0.0)))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -686,31 +686,52 @@ def test_statistical_test_catches_a_wrong_q_after_rerooting(monkeypatch: pytest.
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined: bool) -> None:
     """Costs under which the verifier's one-row step beats every tree (a level of drafting takes
-    a second), with evidence that half the drafted tokens are accepted: the drafter sends empty
-    trees; after PROBE_EVERY of them one tree (the acceptance is only learnt from verified trees).
-    Pipelined, the drafter feeds each committed token while the verifier steps (nothing is left
-    for the probe to catch up on); sequential, the probe's draft feeds them."""
+    a second), with evidence that half the drafted tokens are accepted: the drafter sends an empty
+    tree that asks for a run of PROBE_EVERY one-row steps, whose tokens come back in one
+    extension; then one tree (the acceptance is only learnt from verified trees), then a run
+    again. Pipelined, the drafter feeds the committed tokens while the verifier steps (nothing is
+    left for the probe to catch up on); sequential, the probe's draft feeds them."""
     from specmesh.drafters.model import ModelDrafter
 
-    costs = Costs(draft=LinearCost((1.0, 0.1, 0.0)), verify=LinearCost((0.01, 0.01)))
+    costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
     recent = Acceptance()
     recent.tried[0][0], recent.accepted[0][0] = 100.0, 50.0
     ctx = [3, 14, 15, 9, 26, 5]
     ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
                        recent=recent)
     st = ahead.first(8, 4)
-    sizes = []
-    for _ in range(predraft.PROBE_EVERY + 1):
-        sizes.append(len(st.tree))
-        if not st.tree.tokens:
-            assert ahead.wants_predraft == (pipelined and ahead.session.behind > 0)
-            while ahead.predraft():
-                pass
-            assert ahead.session.behind == (0 if pipelined else len(ctx) - 1 + len(sizes) - 1)
-        st = ahead.commit(st.step, [], 7, 8, 4)
-    assert sizes[:predraft.PROBE_EVERY] == [0] * predraft.PROBE_EVERY and sizes[-1] > 0
+    assert not st.tree.tokens and st.plain == predraft.PROBE_EVERY
+    assert ahead.wants_predraft == (pipelined and ahead.session.behind > 0)
+    while ahead.predraft():
+        pass
+    assert ahead.session.behind == (0 if pipelined else len(ctx) - 1)
+    probe = ahead.extend([7] * st.plain, 8, 4)  # the run's tokens, in one message
+    assert probe.step == st.step + 1 and probe.tree.tokens and probe.plain == 0
     assert ahead.session.behind == 0  # the probe fed what was left
+    again = ahead.commit(probe.step, [], 7, 8, 4)
+    assert not again.tree.tokens and again.plain == predraft.PROBE_EVERY
+    # a verifier that commits the empty tree's step alone instead: a probe follows at once
+    assert ahead.commit(again.step, [], 7, 8, 4).tree.tokens
     # a fixed shape always gets its tree
     fixed = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
                        recent=recent, fixed=True)
     assert len(fixed.first(8, 4).tree) == 8
+
+
+def test_calibration_prices_fed_tokens_apart_and_leaves_the_session_as_it_was(tiny_model) -> None:
+    """`calibrate` times trees after committed tokens too (the catch-up term of the draft cost)
+    and rolls them back: the session it was given holds the same context afterwards, and a
+    tree drafted from it equals one from a fresh session."""
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.drafters.predraft import calibrate
+
+    ctx = [3, 14, 15, 9, 26, 5, 35, 8]
+    session, costs = ModelDrafter(tiny_model).open(ctx), Costs()
+    calibrate(session, len(ctx), costs, rounds=1)
+    assert costs.draft.calibrated and costs.draft_many.calibrated
+    assert all(c >= 0 for c in costs.draft.coef + costs.draft_many.coef)
+    assert session.context == ctx
+    gen = make_generator(GREEDY)
+    fresh = ModelDrafter(tiny_model).open(ctx).draft(6, 3, GREEDY, gen)
+    again = session.draft(6, 3, GREEDY, gen)
+    assert (again.tokens, again.parents) == (fresh.tokens, fresh.parents)

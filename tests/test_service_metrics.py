@@ -70,7 +70,7 @@ def scripted_turn(out: Outcome, steps: list[tuple[int, int, list[int]]]):
 
 def test_verifier_metrics_per_step_and_per_turn():
     m = VerifierMetrics(lambda: 5)
-    out = Outcome(prompt_tokens=10, cached_prompt_tokens=4, timeouts=1, predraft_hits=2)
+    out = Outcome(prompt_tokens=10, cached_prompt_tokens=4, timeouts=1, predraft_hits=2, plain_steps=5)
     chunks = list(m.observe(scripted_turn(out, [(8, 3, [1, 2, 3, 4]), (8, 0, [5]), (4, 2, [6, 7, 8])]), out))
     assert len(chunks) == 4
     s = parse_prometheus(m.render())
@@ -78,7 +78,7 @@ def test_verifier_metrics_per_step_and_per_turn():
     assert s[p + 'turns_total{finish="length"}'] == 1 and s[p + "tokens_generated_total"] == 8
     assert s[p + "steps_total"] == 3 and s[p + "drafted_tokens_total"] == 20 and s[p + "accepted_tokens_total"] == 5
     assert s[p + "prompt_tokens_total"] == 10 and s[p + "cached_prompt_tokens_total"] == 4
-    assert s[p + "drafter_timeouts_total"] == 1 and s[p + "predraft_hits_total"] == 2
+    assert s[p + "drafter_timeouts_total"] == 1 and s[p + "predraft_hits_total"] == 2 and s[p + "plain_steps_total"] == 5
     # accepted length per step: 3, 0, 2
     assert [s[p + f'accepted_length_bucket{{le="{b}"}}'] for b in (0, 1, 2, 3)] == [1, 1, 2, 3]
     assert s[p + 'tree_size_bucket{le="4"}'] == 1 and s[p + 'tree_size_bucket{le="8"}'] == 3

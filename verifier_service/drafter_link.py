@@ -1,6 +1,11 @@
 """The verifier's side of the drafter protocol: one bidirectional `Draft` stream per drafter
 address, multiplexing sessions, and `RemoteDrafts`, the engine's TreeSource over it.
 
+Plain runs: when the drafter's planner predicts that not speculating is faster, it sends an empty
+tree asking for a run of one-row steps (`DraftResponse.plain_steps`). `RemoteDrafts` takes them
+without waiting for trees and sends their tokens in one ExtendSession at the run's end (or with
+the next turn's), so a run pays one round trip and the drafter feeds its tokens in one call.
+
 Failure semantics: a drafter that is dead, slow or wrong only costs speed. `next_tree` waits at
 most the step deadline and then returns an empty tree (the verifier decodes one token without
 speculation); the commit of that step is still sent, so the drafter stays in step (a late tree
@@ -39,6 +44,7 @@ MAX_PUSHED = 64  # pushed predrafts kept per session, at most (a drafter cannot 
 DEADLINE_MARGIN = 3.0  # a derived deadline: this many times the slowest recent wait for a tree ...
 DEADLINE_FLOOR_S = 0.02  # ... plus this (scheduling noise)
 DEADLINE_DECAY = 0.95  # per tree, how fast an old slow wait is forgotten
+MAX_PLAIN_RUN = 64  # one-row steps a drafter may ask for at once, at most
 
 
 class DrafterLink:
@@ -216,7 +222,10 @@ class RemoteDrafts:
         self.usable = True
         self.timeouts = 0
         self.predraft_hits = 0
+        self.plain_steps = 0
         self._taken: DraftTree | None = None  # the next tree, taken from a pushed predraft
+        self._run_left = 0  # one-row steps left in the plain run the drafter asked for (this one included)
+        self._run: list[int] = []  # the run's committed tokens, not yet sent
         self._open(list(target.tokens))
 
     def _features(self, first: int, count: int) -> bytes:
@@ -231,6 +240,7 @@ class RemoteDrafts:
         self.context = context  # the committed tokens the drafter holds
         self.step = 0
         self.resumed = False
+        self._end_run()
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
@@ -258,13 +268,16 @@ class RemoteDrafts:
         self.context = list(tokens)
         self.step += 1  # the drafter answers with the step after the tree it sent last
         self._taken = None
-        self.deadline_s, self.timeouts, self.predraft_hits = deadline_s, 0, 0
+        self._end_run()  # a run cut short by the turn's end: its tokens went in this extension
+        self.deadline_s, self.timeouts, self.predraft_hits, self.plain_steps = deadline_s, 0, 0, 0
         self.derive_deadline = derive_deadline
         self.resumed = True
         return True
 
     def next_tree(self, budget: int) -> DraftTree:
         if not (self.usable and self.link.alive):
+            return DraftTree.empty()
+        if self._run_left:  # inside a plain run: no tree, no round trip
             return DraftTree.empty()
         if self._taken is not None:  # from a pushed predraft: no round trip
             tree, self._taken = self._taken, None
@@ -291,10 +304,25 @@ class RemoteDrafts:
             self.usable = False  # the drafter closed this session: go on without speculation
             return DraftTree.empty()
         self.predraft_hits += resp.predrafted
-        return tree_from_pb(resp.tree)
+        tree = tree_from_pb(resp.tree)
+        if not tree.tokens and resp.plain_steps > 1:
+            self._run_left = min(resp.plain_steps, MAX_PLAIN_RUN)
+        return tree
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
                   features=None, verify_s: float = 0.0) -> None:
+        if self._run_left:
+            self._run_left -= 1
+            self.plain_steps += 1
+            self._run.extend(new_tokens)
+            if not self._run_left and self.usable and self.link.alive:
+                self.link.extend(self.sid, pb.ExtendSession(tokens=self._run, budget=self.spec.budget,
+                                                            depth=self.spec.depth,
+                                                            features=self._features(len(self.context), len(self._run))))
+                self.context.extend(self._run)
+                self.step += 1  # the drafter answers the extension with the tree of the next step
+                self._end_run()
+            return
         if self.usable and self.link.alive:
             accepted, bonus = new_tokens[:-1], new_tokens[-1]
             self._taken = self._from_pushed(accepted, bonus) if self.pipelined else None
@@ -304,6 +332,9 @@ class RemoteDrafts:
                                                      took_predraft=self._taken is not None, verify_s=verify_s))
             self.context.extend(new_tokens)
         self.step += 1
+
+    def _end_run(self) -> None:
+        self._run_left, self._run = 0, []
 
     def _from_pushed(self, accepted: list[int], bonus: int) -> DraftTree | None:
         """The next tree from the predraft pushed for this outcome, picked as the drafter picks

@@ -64,7 +64,7 @@ __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "Session
            "draft_generator", "calibrate"]
 PRIOR_OBSERVATIONS = 32.0  # what the drafter's recent sessions weigh in a new session's acceptance
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
-PROBE_EVERY = 16  # empty trees in a row after which one tree is drafted anyway ...
+PROBE_EVERY = 16  # plain steps in a row after which one tree is drafted anyway ...
 MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
 
 
@@ -206,6 +206,7 @@ class StepTree:
     position: int
     tree: DraftTree
     predrafted: bool = False
+    plain: int = 0  # empty tree: one-row steps to take without asking (DraftResponse.plain_steps)
 
 
 class SessionClosedError(ValueError):
@@ -256,7 +257,7 @@ class DraftAhead:
         with self._lock:
             self._check_open()
             assert self._tree is None, "first() is called once, right after opening"
-            return self._send(self._draft_fresh(budget, depth), budget, depth, False)
+            return self._send_fresh(budget, depth)
 
     def commit(self, step: int, accepted: list[int], bonus: int, budget: int, depth: int,
                features: torch.Tensor | None = None, took: bool = False,
@@ -298,7 +299,7 @@ class DraftAhead:
             if tree is not None:
                 self.hits += 1
                 return self._send(tree, budget, depth, True)
-            return self._send(self._draft_fresh(budget, depth), budget, depth, False)
+            return self._send_fresh(budget, depth)
 
     def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
                features: torch.Tensor | None = None) -> StepTree:
@@ -316,7 +317,7 @@ class DraftAhead:
             self.session.commit(list(tokens), features)
             self.position = keep + len(tokens)
             self._held = 0
-            return self._send(self._draft_fresh(budget, depth), budget, depth, False)
+            return self._send_fresh(budget, depth)
 
     @property
     def _batched(self) -> bool:
@@ -452,14 +453,18 @@ class DraftAhead:
         levels, rows = planner.draft_work(trees)
         if levels:
             fit = self.costs.draft_many if many else self.costs.draft
-            fit.add((float(levels), float(rows + behind), 1.0), seconds)
+            fit.add((float(levels), float(rows), float(behind), 1.0), seconds)
 
     def _plan(self, budget: int, depth: int) -> Plan:
         # after PROBE_EVERY steps without a tree, one speculates anyway: the acceptance that
         # speculation is judged by comes only from verified trees
         probe = self._plain_steps >= PROBE_EVERY or sum(self.acceptance.tried[0]) < MIN_TRIALS
         return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
-                            speculate=probe)
+                            speculate=probe, plain_run=self._plain_run())
+
+    def _plain_run(self) -> int:
+        """One-row steps a tree left out now stands for: the rest of the run up to the next probe."""
+        return max(1, PROBE_EVERY - self._plain_steps)
 
     def _children_on_path(self, k: int) -> list[int]:
         """Tokens of the children the tree last sent has at the k-th node of its main path."""
@@ -467,22 +472,25 @@ class DraftAhead:
         node = ROOT if k == 0 else main_path(self._tree)[k - 1]
         return [self._tree.tokens[c] for c in children_of(self._tree)[node]]
 
-    def _draft_fresh(self, budget: int, depth: int) -> DraftTree:
-        """A tree for the next step drafted now, of the shape planned for it (within the caps): the
-        plan its predrafts were made for, unless the caps changed (or no tree was sent yet)."""
+    def _send_fresh(self, budget: int, depth: int) -> StepTree:
+        """Send a tree for the next step drafted now, of the shape planned for it (within the caps):
+        the plan its predrafts were made for, unless the caps changed (or no tree was sent yet). When
+        not speculating is predicted faster, an empty tree that asks for a run of one-row steps up
+        to the next probe (`StepTree.plain`): they need no round trip, and the drafter feeds their
+        tokens in one call later."""
         p = (self.plan if self._caps == (budget, depth) else None) or self._plan(budget, depth)
-        if p.budget == 0:  # not speculating is predicted faster: the verifier's one-row step
-            return DraftTree.empty()
+        if p.budget == 0:
+            return self._send(DraftTree.empty(), budget, depth, False, self._plain_run())
         behind = self._behind()
         t = time.perf_counter()
         tree = self.session.draft(p.budget, p.depth, self.params, self.generator)
         self._add_draft_cost([tree], time.perf_counter() - t, behind)
-        return tree
+        return self._send(tree, budget, depth, False)
 
-    def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool) -> StepTree:
+    def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool, plain: int = 0) -> StepTree:
         self.step += 1
         self.steps += 1
-        self._plain_steps = 0 if tree.tokens else self._plain_steps + 1
+        self._plain_steps = 0 if tree.tokens else self._plain_steps + max(1, plain)
         self._tree = tree
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
@@ -490,7 +498,7 @@ class DraftAhead:
         self._next, self._caps, self._todo = None, (budget, depth), []
         self._sent_at = time.perf_counter()
         self._overlapped = False  # whether a predraft ran while this tree was being verified
-        return StepTree(self.step, self.position, tree, predrafted)
+        return StepTree(self.step, self.position, tree, predrafted, plain)
 
     def _outcomes(self, plan: Plan) -> list[int]:
         """The outcomes of the tree last sent worth a predraft: as many as the plan has, the
@@ -518,28 +526,39 @@ def _accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
 
 
 CALIBRATION_SHAPES = ((1, 1), (2, 2), (4, 4), (8, 2), (16, 2), (16, 4))  # (budget, depth): levels and width apart
+CALIBRATION_FED = (4, 12)  # committed tokens fed before a tree: the catch-up term apart
 
 
 def calibrate(session: DraftSession, context_len: int, costs: Costs, rounds: int = 2) -> None:
-    """Measure a drafter's cost by levels and rows before the first request: chains and wide trees
-    (and, where the session has `draft_many`, trees at 2 and 4 roots at once), each shape `rounds`
-    times after one untimed call, and take the shapes of `costs.draft` / `costs.draft_many` from
-    them (`LinearCost.fit_shape`: live calls then only rescale them). `session`: opened on
+    """Measure a drafter's cost by levels, rows and fed tokens before the first request: chains
+    and wide trees, and chains after a few committed tokens (a drafted chain's path, taken as
+    committed), and where the session has `draft_many`, trees at 2 and 4 roots at once; each shape
+    `rounds` times after one untimed call. Takes the shapes of `costs.draft` / `costs.draft_many`
+    from them (`LinearCost.fit_shape`: live calls then only rescale them). `session`: opened on
     `context_len` >= 2 tokens the drafter accepts; the caller closes it."""
     params = SamplingParams()
     gen = draft_generator(params)
     session.draft(4, 2, params, gen)  # first calls allocate and page weights in
-    samples = []
-    for budget, depth in CALIBRATION_SHAPES * rounds:
+
+    def timed(fed: int, call):
+        if fed:
+            tree = session.draft(fed, fed, params, gen)
+            session.commit([tree.tokens[i] for i in main_path(tree)])
+        behind = getattr(session, "behind", 0)
         t = time.perf_counter()
-        tree = session.draft(budget, depth, params, gen)
-        samples.append(((*map(float, planner.draft_work([tree])), 1.0), time.perf_counter() - t))
+        trees = call()
+        seconds = time.perf_counter() - t
+        if fed:
+            session.rollback(context_len)
+        return (*map(float, planner.draft_work(trees)), float(behind), 1.0), seconds
+
+    samples = [timed(0, lambda b=b, d=d: [session.draft(b, d, params, gen)]) for b, d in CALIBRATION_SHAPES * rounds]
+    samples += [timed(fed, lambda: [session.draft(2, 2, params, gen)]) for fed in CALIBRATION_FED * rounds]
     costs.draft.fit_shape(samples)
     if hasattr(session, "draft_many"):
-        samples = []
-        for roots, budget, depth in [(2, 4, 2), (2, 8, 4), (4, 4, 2), (4, 8, 3)] * rounds:
+        def many(roots: int, budget: int, depth: int):
             ends = [context_len - 1, context_len] * (roots // 2)
-            t = time.perf_counter()
-            trees = session.draft_many(ends, budget, depth, params, gen, [()] * len(ends))
-            samples.append(((*map(float, planner.draft_work(trees)), 1.0), time.perf_counter() - t))
-        costs.draft_many.fit_shape(samples)
+            return lambda: session.draft_many(ends, budget, depth, params, gen, [()] * len(ends))
+
+        shapes = [(0, 2, 4, 2), (0, 2, 8, 4), (0, 4, 4, 2), (0, 4, 8, 3), (8, 2, 4, 2), (8, 4, 8, 3)]
+        costs.draft_many.fit_shape([timed(fed, many(*shape)) for fed, *shape in shapes * rounds])
