@@ -12,6 +12,11 @@ Two ways to run it:
 
 Uses the synchronous redis client in a daemon thread: the services are thread-based. A Redis
 outage only logs; beats resume when it is back. Knows nothing about placement.
+
+A verifier passes `held` (its sessions): a beat that finds the endpoint's own entry gone (Redis
+lost its data, or beats stopped for longer than the TTL) first writes each held session's binding
+and history back where Redis has no binding for it (router.state `REPUBLISH_LUA`), then registers,
+so a router that sees the verifier registered again also sees its sessions.
 """
 
 from __future__ import annotations
@@ -29,14 +34,25 @@ from pathlib import Path
 import redis
 from redis.exceptions import RedisError
 
-from router.policies import Endpoint, Role
-from router.state import DEFAULT_PREFIX, Keys, endpoint_from_json, endpoint_to_json
+from router.policies import Binding, Endpoint, Role
+from router.state import (
+    DEFAULT_PREFIX,
+    REPUBLISH_LUA,
+    Keys,
+    binding_to_json,
+    endpoint_from_json,
+    endpoint_to_json,
+    pack_tokens,
+    retry_options,
+)
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, add_peer_args, peer_channel, peer_from_args
 
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 2.0
 TTL_S = 6.0
+SESSION_TTL_S = 3600.0  # of a republished session's keys: the router's default; its turns refresh them
+Held = tuple[str, list[int], str]  # a session a verifier holds: (id, tokens, drafter address or "")
 ADVERTISE_ENV = "SPECMESH_ADVERTISE_ADDR"
 PREFIX_ENV = "SPECMESH_REDIS_PREFIX"
 
@@ -63,23 +79,43 @@ class Heartbeat:
 
     def __init__(self, client: redis.Redis, endpoint: Endpoint, load: Callable[[], dict] | None = None,
                  interval_s: float = INTERVAL_S, ttl_s: float = TTL_S, prefix: str = DEFAULT_PREFIX,
-                 alive: Callable[[], bool] | None = None) -> None:
+                 alive: Callable[[], bool] | None = None, held: Callable[[], list[Held]] | None = None,
+                 session_ttl_s: float = SESSION_TTL_S) -> None:
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"heartbeat: need 0 < interval_s ({interval_s}) < ttl_s ({ttl_s})")
         self.client, self.endpoint, self.load = client, endpoint, load
         self.interval_s, self.ttl_s = interval_s, ttl_s
-        self.alive = alive
+        self.alive, self.held = alive, held
+        self.session_ttl_ms = int(session_ttl_s * 1000)
         self.keys = Keys(prefix)
+        self._republish = client.register_script(REPUBLISH_LUA)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specmesh-heartbeat", daemon=True)
 
     def beat(self) -> None:
         """One heartbeat (raises RedisError)."""
         e = replace(self.endpoint, **self.load()) if self.load is not None else self.endpoint
+        if self.held is not None and not self.client.exists(self.keys.endpoint(e.address)):
+            n = self.republish()
+            if n:
+                log.warning("heartbeat of %s: registry entry was gone; wrote back %d session(s) Redis lacked",
+                            e.address, n)
         p = self.client.pipeline(transaction=False)
         p.set(self.keys.endpoint(e.address), endpoint_to_json(e), px=int(self.ttl_s * 1000))
         p.zadd(self.keys.index, {e.address: 0})
         p.execute()
+
+    def republish(self) -> int:
+        """Write back the held sessions Redis has no binding for; how many were written."""
+        sessions = self.held() if self.held is not None else []
+        if not sessions:
+            return 0
+        p = self.client.pipeline(transaction=False)
+        for sid, tokens, drafter in sessions:
+            self._republish(keys=[self.keys.binding(sid), self.keys.history(sid)],
+                            args=[binding_to_json(Binding(self.endpoint.address, drafter)), pack_tokens(tokens),
+                                  self.session_ttl_ms], client=p)
+        return sum(int(x) for x in p.execute())
 
     def deregister(self) -> None:
         p = self.client.pipeline(transaction=False)
@@ -114,13 +150,15 @@ class Heartbeat:
 
 def start_heartbeat(redis_url: str, role: str, address: str, model: str = "", capacity: int = 0,
                     load: Callable[[], dict] | None = None, prefix: str | None = None,
-                    interval_s: float = INTERVAL_S, ttl_s: float = TTL_S) -> Heartbeat:
+                    interval_s: float = INTERVAL_S, ttl_s: float = TTL_S,
+                    held: Callable[[], list[Held]] | None = None) -> Heartbeat:
     """Register `address` and keep it registered from a daemon thread; `stop()` deregisters.
-    `load()` returns fields of Endpoint to refresh each beat (active_sessions, kv_tokens).
+    `load()` returns fields of Endpoint to refresh each beat (active_sessions, kv_tokens); `held()`
+    the sessions to write back after Redis lost them (see the module docstring).
     `prefix` None = $SPECMESH_REDIS_PREFIX, else the default (as the router's --redis-prefix)."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, **retry_options(sync=True))
     ep = Endpoint(address=address, role=Role(role), model=model, capacity=capacity)
-    return Heartbeat(client, ep, load, interval_s, ttl_s, _prefix(prefix)).start()
+    return Heartbeat(client, ep, load, interval_s, ttl_s, _prefix(prefix), held=held).start()
 
 
 def _prefix(prefix: str | None) -> str:
@@ -170,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         peer.validate()
     except ValueError as e:
         p.error(str(e))
-    client = redis.Redis.from_url(a.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis.Redis.from_url(a.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, **retry_options(sync=True))
     ep = Endpoint(address=a.address, role=Role(a.role), model=a.model, capacity=a.capacity)
     hb = Heartbeat(client, ep, None, a.interval_s, a.ttl_s, a.redis_prefix,
                    alive=_health_probe(a.address, min(1.0, a.interval_s), peer))

@@ -50,6 +50,7 @@ async def start(cfg: RouterConfig, router: Router) -> Servers:
     if port == 0:
         raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
     await server.start()
+    router.start_watch()
     for name in ("", SERVICE_NAME):
         await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     runner, http_port = None, None

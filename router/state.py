@@ -16,6 +16,9 @@ configured `{session}` is `<key id>/<session id>`, router.turns.scoped_session):
 - `P load:{address}` (hash, TTL 10 min refreshed on every change): `turns`, `tokens` = turns in
   flight and their context tokens, summed over all routers.
 - `P rr` (string, no TTL): round-robin counter (INCR).
+- `P gen` (string, no TTL): this Redis's generation, a random id written by the first router or
+  verifier that finds it missing. A router that remembered another id knows Redis lost its data
+  (a restart without persistence, a flush) since it last looked.
 - `P keysess:{key id}` (zset, ~60 B + session id per member; TTL = session TTL, refreshed every
   turn; only with `--max-sessions-per-key`): the live sessions of one API key, scored by the
   time (router clock, ms) their last turn started and ended. Members older than the session TTL
@@ -33,7 +36,17 @@ Sessions per key: a turn of a session not yet in its key's set is admitted only 
 holds fewer than the limit (prune, count, add: one Lua script, so concurrent routers never admit
 past it); a session already in it always is. CloseSession removes it from the caller's set.
 
-Any Redis failure is raised as `StateUnavailable` (UNAVAILABLE / 503 at the edge).
+After Redis lost its data the verifiers' copies are authoritative: each verifier's heartbeat,
+finding its own `ep:` entry gone, first writes `bind:` and `hist:` back for every session it holds
+(only where no binding exists: `republish`), then registers; a router that finds the generation
+changed waits for the verifiers it knew to register again before placing an unbound session
+(router.turns). Sessions are bound to a verifier, so with several verifiers each session comes
+back from the one that holds it.
+
+Connections: redis-py retries a command on a connection or timeout error with backoff (`RETRY`:
+a restarted Redis costs reconnecting, not a request) and pings a connection idle for
+`HEALTH_CHECK_S` before use. Any Redis failure left after that is raised as `StateUnavailable`
+(UNAVAILABLE / 503 at the edge).
 """
 
 from __future__ import annotations
@@ -43,9 +56,16 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+import uuid
+
 import numpy as np
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
 
 from router.errors import Kind, RouterError
 from router.policies import Binding, Endpoint, Load, Role
@@ -53,6 +73,29 @@ from router.policies import Binding, Endpoint, Load, Role
 DEFAULT_PREFIX = "specmesh:"
 LOAD_TTL_S = 600.0
 _TOKEN = np.dtype("<i4")
+RETRIES, RETRY_BASE_S, RETRY_CAP_S = 8, 0.02, 1.0  # ~4 s of attempts: a restart, not an outage
+HEALTH_CHECK_S = 10
+
+
+def retry_options(sync: bool = False) -> dict:
+    """redis-py client options of every specmesh client (router: asyncio; heartbeats: `sync`):
+    retry a command after a connection or timeout error (a restarted server, a stale pooled
+    connection)."""
+    retry = SyncRetry if sync else AsyncRetry
+    return {"retry": retry(ExponentialWithJitterBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), RETRIES),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+            "health_check_interval": HEALTH_CHECK_S}
+
+# KEYS = binding, history; ARGV = binding JSON, packed tokens, TTL ms. A verifier's copy of a
+# session, written back only where Redis holds no binding for it (after Redis lost its data).
+REPUBLISH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
 
 # KEYS[1] = a key's session set; ARGV = session id, now ms, TTL ms, limit. Returns {admitted 0/1,
 # live sessions after the call}.
@@ -114,6 +157,10 @@ class Keys:
     def key_sessions(self, key_id: str) -> str:
         return f"{self.prefix}keysess:{key_id}"
 
+    @property
+    def generation(self) -> str:
+        return f"{self.prefix}gen"
+
 
 def endpoint_to_json(e: Endpoint) -> str:
     d = asdict(e)
@@ -158,7 +205,8 @@ class RouterState:
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = 3600.0,
                  timeout_s: float = 2.0) -> RouterState:
-        client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                   **retry_options())
         return cls(client, prefix, session_ttl_s)
 
     async def close(self) -> None:
@@ -169,6 +217,17 @@ class RouterState:
             await self.r.ping()
         except RedisError as e:
             raise StateUnavailable(e) from e
+
+    async def generation(self) -> str:
+        """This Redis's generation id (written now if missing: see the module docstring)."""
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                p.set(self.keys.generation, uuid.uuid4().hex, nx=True)
+                p.get(self.keys.generation)
+                _, gen = await p.execute()
+        except RedisError as exc:
+            raise StateUnavailable(exc) from exc
+        return gen.decode()
 
     # -- registry ------------------------------------------------------------------------------
     async def register(self, e: Endpoint, ttl_s: float) -> None:
@@ -226,8 +285,10 @@ class RouterState:
             raise StateUnavailable(exc) from exc
         return binding_from_json(stored)
 
-    async def write_history(self, session_id: str, ids: Sequence[int], replace: bool) -> None:
-        """Append `ids` to the history (or replace it with them); refresh the session's TTLs."""
+    async def write_history(self, session_id: str, ids: Sequence[int], replace: bool) -> bool:
+        """Append `ids` to the history (or replace it with them); refresh the session's TTLs.
+        Whether the session is still bound (False: Redis lost it, and an append made a history of
+        `ids` alone)."""
         k_hist, k_bind = self.keys.history(session_id), self.keys.binding(session_id)
         try:
             async with self.r.pipeline(transaction=True) as p:
@@ -237,7 +298,7 @@ class RouterState:
                     p.append(k_hist, pack_tokens(ids))
                 p.pexpire(k_hist, self.session_ttl_ms)
                 p.pexpire(k_bind, self.session_ttl_ms)
-                await p.execute()
+                return bool((await p.execute())[-1])
         except RedisError as exc:
             raise StateUnavailable(exc) from exc
 

@@ -38,6 +38,8 @@ from router.config import RouterConfig
 from router.errors import Kind, RouterError, client_fault, field_of, invalid
 from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
+from router.register import INTERVAL_S as HEARTBEAT_INTERVAL_S
+from router.register import TTL_S as HEARTBEAT_TTL_S
 from router.state import RouterState, StateUnavailable
 from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, first_stop
 from specmesh.tls import peer_channel
@@ -103,7 +105,7 @@ class Done:
 class _History(Enum):
     NONE = 0    # nothing of the turn written yet
     OK = 1      # Redis holds everything streamed so far
-    DIRTY = 2   # a write failed: rewrite the whole history when the turn ends
+    DIRTY = 2   # a write failed, or Redis lost the session: rewrite it whole when the turn ends
 
 
 @dataclass
@@ -120,6 +122,7 @@ class _Turn:
     done: bool = False                   # Done yielded
     excluded: set[str] = field(default_factory=set)
     last_error: str = ""
+    bound: Binding | None = None         # the binding of the latest attempt
     prompt_logprobs_sent: bool = False   # a retry does not ask for (or pass on) them again
     t0: float = field(default_factory=time.monotonic)
 
@@ -148,6 +151,13 @@ class Router:
         self.control_strings = sorted({t.content for t in added.values() if getattr(t, "special", False)}
                                       | set(getattr(tokenizer, "all_special_tokens", []) or []))
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # after Redis lost its data (router.state): the generation last seen, the verifiers live at
+        # the last placement, and those still to register again (with their sessions) since the loss
+        self._gen: str | None = None
+        self._known: frozenset[str] = frozenset()
+        self._awaiting: frozenset[str] = frozenset()
+        self._await_until = 0.0
+        self._watch: asyncio.Task | None = None
 
     # -- tokens and text -----------------------------------------------------------------------
     def decode(self, ids: list[int]) -> str:
@@ -224,6 +234,8 @@ class Router:
     async def _run_once(self, req: TurnRequest) -> AsyncIterator[Delta | Done]:
         sid = scoped_session(req.key_id, req.session_id)
         binding, history = await self.state.session(sid) if sid else (None, [])
+        if sid and binding is None and await self._after_loss():
+            binding, history = await self.state.session(sid)  # written back by the verifier holding it
         # 1. what the verifier must hold before generating: `base` (kept history) + `new`
         t = _Turn(req, sid, base=history, new=req.ids, text=TextStream(self.decode, req.stops.strings),
                   history=_History.OK if not sid else _History.NONE)  # one-shot turns keep nothing
@@ -243,7 +255,7 @@ class Router:
         # 2. attempts: another verifier after any failure, before or after the first token
         try:
             for _ in range(self.cfg.max_attempts):
-                binding = await self._place(sid, binding, t.context + len(t.produced), t.excluded)
+                binding = t.bound = await self._place(sid, binding, t.context + len(t.produced), t.excluded)
                 async with aclosing(self._attempt(t, binding, resumed=bool(t.produced))) as events:
                     async for event in events:
                         yield event
@@ -263,7 +275,7 @@ class Router:
                                                 f"attempts (last: {t.last_error})")
         finally:
             if t.history == _History.DIRTY:
-                await self._rewrite(sid, t.base + t.new + t.produced)
+                await self._rewrite(sid, t.base + t.new + t.produced, t.bound)
             if counted:
                 await self._touch(req)
 
@@ -386,6 +398,8 @@ class Router:
             try:
                 chosen = self.policy(meta, endpoints, loads, current)
             except NoVerifierError as e:
+                if await self._after_loss():
+                    continue
                 seen = sorted(f"{x.role.value} {x.address}" for x in endpoints)
                 raise RouterError(Kind.UNAVAILABLE, f"{e} (registered: {seen})") from e
             if not sid or chosen == current:
@@ -399,19 +413,67 @@ class Router:
             current = stored
         raise RouterError(Kind.UNAVAILABLE, f"session {sid!r}: binding contended, try again")
 
+    def start_watch(self) -> None:
+        """Start `watch_redis` on the running loop (router.server); `close` stops it."""
+        self._watch = asyncio.get_running_loop().create_task(self.watch_redis(), name="watch-redis")
+
+    async def watch_redis(self, every_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        """Until cancelled: note the verifiers live, and notice within `every_s` when Redis lost
+        its data, even with no turn arriving."""
+        while True:
+            try:
+                await self._observe()
+            except StateUnavailable:
+                pass  # Redis down: turns get UNAVAILABLE; looked at again when it is back
+            await asyncio.sleep(every_s)
+
+    async def _observe(self, note_known: bool = True) -> None:
+        """Compare Redis's generation with the one last seen (a change starts the wait for the
+        verifiers known before); `note_known`: also note the verifiers live now."""
+        gen = await self.state.generation()
+        if gen != self._gen:
+            if self._gen is not None:
+                log.warning("redis lost its data (generation %s -> %s): waiting up to %.0f s for %d verifier(s) "
+                            "to write back their sessions", self._gen, gen, HEARTBEAT_TTL_S, len(self._known))
+                self._awaiting, self._await_until = self._known, time.monotonic() + HEARTBEAT_TTL_S
+            self._gen = gen
+        if note_known and not self._awaiting:
+            self._known = frozenset(e.address for e in await self.state.endpoints() if e.role == Role.VERIFIER)
+
+    async def _after_loss(self) -> bool:
+        """Whether Redis lost its data since this router last looked (its generation changed) and
+        this turn waited for the verifiers live before to register again, each writing back the
+        sessions it holds first (router.register): the caller then reads again what it read.
+        Waits at most a heartbeat TTL; verifiers that do not come back by then are not waited for."""
+        await self._observe(note_known=False)  # one round trip: the watcher notes the verifiers
+        if not self._awaiting:
+            return False
+        while self._awaiting and time.monotonic() < self._await_until:
+            live = {e.address for e in await self.state.endpoints() if e.role == Role.VERIFIER}
+            if self._awaiting <= live:
+                break
+            await asyncio.sleep(0.05)
+        self._awaiting = frozenset()
+        return True
+
     async def _record(self, t: _Turn, ids: list[int], replace: bool) -> None:
         """Write tokens to the session's history. A Redis failure does not stop the stream: the
-        turn goes on unrecorded and the whole history is rewritten when it ends."""
+        turn goes on unrecorded and the whole history is rewritten when it ends; so it is when the
+        binding vanished meanwhile (Redis lost its data mid-turn: an append would hold only the
+        turn's tail)."""
         try:
-            await self.state.write_history(t.sid, ids, replace)
-            t.history = _History.OK
+            kept = await self.state.write_history(t.sid, ids, replace)
+            t.history = _History.OK if kept else _History.DIRTY
         except StateUnavailable as e:
             log.error("session %r: history not recorded (%s)", t.sid, e)
             t.history = _History.DIRTY
 
-    async def _rewrite(self, sid: str, ids: list[int]) -> None:
+    async def _rewrite(self, sid: str, ids: list[int], binding: Binding | None) -> None:
+        """The session's whole history, and its binding where Redis has none."""
         try:
             await self.state.write_history(sid, ids, True)
+            if binding is not None:
+                await self.state.bind(sid, binding, None)
         except StateUnavailable as e:
             log.error("session %r: history lost while Redis is unavailable (%s); the next turn rebuilds "
                       "from what Redis holds", sid, e)
@@ -459,6 +521,8 @@ class Router:
         return True
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

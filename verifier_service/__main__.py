@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         from router.register import advertised_address, model_name, start_heartbeat
 
         beat = start_heartbeat(cfg.redis_url, "verifier", advertised_address(cfg.host, port), model_name(path),
-                               load=lambda: {"active_sessions": len(verifier.sessions)})
+                               load=lambda: {"active_sessions": len(verifier.sessions)}, held=verifier.sessions.held)
     stopping = threading.Event()
     if grouped:  # a broken group cannot recover: say so to health checks and leave the registry
         threading.Thread(target=_watch_group, args=(model, hs, beat, stopping), daemon=True, name="tp-health").start()

@@ -25,6 +25,8 @@ class Session:
     target: TargetSession | None = None
     drafts: RemoteDrafts | None = None  # its drafter session, kept across turns
     lock: threading.Lock = field(default_factory=threading.Lock)
+    named: bool = False                 # a client's session (not a one-shot request's)
+    drafter: str = ""                   # the drafter its last turn asked for ("" = the verifier's own)
 
 
 def _close(s: Session) -> None:
@@ -78,6 +80,21 @@ class SessionStore:
             _close(s)
             s.lock.release()
         return True
+
+    def held(self) -> list[tuple[str, list[int], str]]:
+        """(session id, tokens, drafter) of each named session holding a context with no turn in
+        progress: what the heartbeat writes back to Redis after Redis lost it (router.register)."""
+        with self._lock:
+            sessions = list(self._sessions.items())
+        out = []
+        for sid, s in sessions:
+            if s.named and s.lock.acquire(blocking=False):
+                try:
+                    if s.target is not None and s.target.tokens:
+                        out.append((sid, list(s.target.tokens), s.drafter))
+                finally:
+                    s.lock.release()
+        return out
 
     def __len__(self) -> int:
         return len(self._sessions)

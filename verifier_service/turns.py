@@ -99,6 +99,8 @@ class Verifier:
         constraint = None if turn.structured is None else self.grammars.constraint(turn.structured)
         sid = turn.session_id or f"oneshot-{uuid.uuid4().hex}"
         session = self.sessions.acquire(sid)
+        session.named = bool(turn.session_id)
+        session.drafter = "" if turn.drafter == self.cfg.drafter else turn.drafter
         try:
             target, prompt_lps = self._place(session, turn, out)
             if prompt_lps:

@@ -377,6 +377,27 @@ def test_openai_client_completions_and_chat(tok, cluster):
     assert m2.usage.prompt_tokens_details.cached_tokens == len(chat_ids(tok, "What is 2 + 2?")) + len(chat_ref_ids)
 
 
+def test_a_redis_restart_loses_no_session_and_no_request(tok, redis_server, cluster, clients, r):
+    """Redis restarts empty (no persistence) between two turns of a session, and the next turn is
+    sent at once, through the other router: it succeeds, keeps the whole context and its KV cache
+    on the verifier that held it, and Redis holds the session again."""
+    verifiers, _ = cluster
+    sid = "restart-1"
+    first = tok.encode("<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    out = clients[0].complete(first, max_tokens=8, session_id=sid)
+    held, bound = first + out.token_ids, binding(r, sid)
+    assert history(r, sid) == held
+    redis_server.stop()
+    redis_server.start()
+    second = tok.encode("<|im_start|>user\nAnother one?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    out = clients[1].complete(second, max_tokens=8, session_id=sid)
+    assert out.usage.cached_prompt_tokens == len(held) and out.usage.prompt_tokens == len(held) + len(second)
+    assert out.token_ids == direct(bound.verifier, held + second, 8)[0]
+    assert binding(r, sid).verifier == bound.verifier
+    assert history(r, sid) == held + second + out.token_ids
+    assert r.ttl(KEYS.binding(rkey(sid))) > 0
+
+
 def test_redis_down_gives_clear_errors_and_recovery(tok, redis_server, cluster, clients, r):
     """Last in the module: Redis restarts empty (no persistence), verifiers re-register."""
     verifiers, routers = cluster

@@ -68,8 +68,8 @@ def test_history_append_replace_and_ttl_refresh(redis_server):
     async def body(s: RouterState):
         assert await s.session("h") == (None, [])
         await s.bind("h", Binding("a:1"), None)
-        await s.write_history("h", [1, 2, 3], replace=False)
-        await s.write_history("h", [49151, 0, 2**31 - 1], replace=False)
+        assert await s.write_history("h", [1, 2, 3], replace=False)  # still bound
+        assert await s.write_history("h", [49151, 0, 2**31 - 1], replace=False)
         b, hist = await s.session("h")
         n = await s.history_length("h")
         await s.write_history("h", [7], replace=True)
@@ -77,6 +77,7 @@ def test_history_append_replace_and_ttl_refresh(redis_server):
         ttls = await s.r.pttl(s.keys.history("h")), await s.r.pttl(s.keys.binding("h"))
         forgotten = await s.forget("h")
         gone = await s.session("h")
+        assert not await s.write_history("h", [9], replace=False)  # no binding: the caller rewrites
         return b, hist, n, replaced, ttls, forgotten, gone
     b, hist, n, replaced, ttls, forgotten, gone = run(body, redis_server.url, session_ttl_s=120)
     assert b == Binding("a:1") and hist == [1, 2, 3, 49151, 0, 2**31 - 1] and n == 6
@@ -162,6 +163,55 @@ def test_heartbeat_registers_refreshes_and_deregisters(redis_server):
     finally:
         hb.stop()
     assert run(endpoints, redis_server.url) == []
+
+
+def test_a_verifier_writes_back_its_sessions_when_redis_lost_them(redis_server):
+    """The heartbeat that finds its own entry gone writes each held session's binding and history
+    back before registering, but never over a binding Redis still has."""
+    prefix = f"wb-{uuid.uuid4().hex[:8]}:"
+    held = [("k/a", [5, 6, 7], ""), ("b", [1, 2], "d:9")]
+    client = redis.Redis.from_url(redis_server.url)
+    hb = Heartbeat(client, Endpoint("v:1", Role.VERIFIER), held=lambda: held, interval_s=0.1, ttl_s=0.5,
+                   prefix=prefix, session_ttl_s=60)
+
+    async def sessions(s: RouterState):
+        st = RouterState(s.r, prefix)
+        return [await st.session(sid) for sid in ("k/a", "b")]
+    try:
+        run(lambda s: RouterState(s.r, prefix).bind("b", Binding("other:1", "", 4), None), redis_server.url)
+        hb.beat()  # first beat: no entry yet, so the held sessions Redis lacks are written
+        assert run(sessions, redis_server.url) == [(Binding("v:1", "", 1), [5, 6, 7]), (Binding("other:1", "", 4), [])]
+        assert 0 < client.pttl(f"{prefix}hist:k/a") <= 60_000
+        client.delete(f"{prefix}bind:k/a", f"{prefix}hist:k/a")
+        hb.beat()  # registered: nothing is written back
+        assert run(sessions, redis_server.url)[0] == (None, [])
+        client.delete(f"{prefix}ep:v:1", f"{prefix}bind:b")
+        hb.beat()  # the entry is gone again (Redis lost its data): both come back
+        assert run(sessions, redis_server.url) == [(Binding("v:1", "", 1), [5, 6, 7]), (Binding("v:1", "d:9", 1), [1, 2])]
+    finally:
+        hb.deregister()
+        client.close()
+
+
+def test_generation_survives_until_redis_loses_its_data(tmp_path):
+    """One generation id for every client of a Redis; a new one after a restart without
+    persistence. The stale pooled connection after the restart costs no error (redis-py retries)."""
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary, tmp_path).start()
+
+    async def body(s: RouterState):
+        first = await s.generation()
+        again = await RouterState(s.r, s.keys.prefix).generation()
+        server.stop()
+        server.start()
+        return first, again, await s.generation()
+    try:
+        first, again, after = run(body, server.url)
+    finally:
+        server.stop()
+    assert first == again and after != first
 
 
 def test_model_name_of_paths():

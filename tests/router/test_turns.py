@@ -138,6 +138,51 @@ def test_failover_resends_everything_so_far_and_nothing_twice(redis_server, flee
     assert binding == Binding(b, "", 2) and history == PROMPT + expected
 
 
+def test_a_session_redis_lost_mid_turn_is_written_back_whole_with_its_binding(redis_server, fleet):
+    """Redis loses the session's keys after the turn's first token (a restart without persistence):
+    appending the rest would leave a history of the tail alone; the turn's end writes it whole."""
+    a = fleet(FakeVerifier())
+
+    async def body(router: Router, state: RouterState):
+        ids: list[int] = []
+        async for ev in router.run(turn(router, PROMPT, 8)):
+            if isinstance(ev, Delta):
+                if not ids:
+                    await state.r.delete(state.keys.binding("s"), state.keys.history("s"))
+                ids += ev.token_ids
+        return ids, await state.session("s")
+    ids, (binding, history) = scenario(redis_server.url, [a], body, bound_to=a)
+    assert ids == continuation(PROMPT, 8)
+    assert binding == Binding(a) and history == PROMPT + ids
+
+
+def test_after_redis_lost_its_data_a_turn_waits_for_the_verifier_to_write_its_session_back(redis_server, fleet):
+    """Redis restarts empty: the registry and the session are gone. A turn arriving before the
+    verifier's next heartbeat waits for it (the heartbeat writes the session back, then registers)
+    instead of failing with no verifier or starting the session over from nothing."""
+    fake = FakeVerifier()
+    a = fleet(fake)
+    earlier = PROMPT + continuation(PROMPT, 4)
+
+    async def body(router: Router, state: RouterState):
+        await router._observe()  # what the router's watcher notes: the generation, verifier a live
+        await state.r.delete(*await state.r.keys(state.keys.prefix + "*"))  # Redis lost its data
+
+        async def heartbeat_later():
+            await asyncio.sleep(0.5)
+            await state.bind("s", Binding(a), None)  # the verifier's write-back, then its registration
+            await state.write_history("s", earlier, replace=True)
+            await state.register(Endpoint(a, Role.VERIFIER), ttl_s=60)
+        beat = asyncio.create_task(heartbeat_later())
+        out = await collect(router, turn(router, [2, 7], 3))
+        await beat
+        return out, await state.session("s")
+    (ids, _, _), (binding, history) = scenario(redis_server.url, [a], body, bound_to=a)
+    assert list(fake.requests[0].history.ids) == earlier and list(fake.requests[0].token_ids.ids) == [2, 7]
+    assert ids == continuation(earlier + [2, 7], 3) and binding == Binding(a)
+    assert history == earlier + [2, 7] + ids
+
+
 def test_death_after_the_last_token_ends_the_turn_without_a_resume(redis_server, fleet):
     spare = FakeVerifier()
     a, b = fleet(FakeVerifier(die_after=6)), fleet(spare)
