@@ -9,6 +9,7 @@ import os
 import sys
 
 from drafter_service.config import DEFAULT_VOCAB_SIZE, DrafterServiceConfig
+from specmesh.service_token import add_token_arg
 from specmesh.tls import ServerTls, add_server_args
 
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     add_server_args(p)
+    add_token_arg(p)
     return p
 
 
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         max_context_tokens=args.max_context_tokens, max_total_tokens=args.max_total_tokens,
         device=args.device, dtype=args.dtype,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
-        tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca),
+        tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca, args.service_token),
     )
     try:
         cfg.validate()

@@ -25,6 +25,7 @@ from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import calibrate
 from specmesh.planner import Acceptance, Costs
+from specmesh import service_token
 from specmesh.tls import add_port
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -90,7 +91,8 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
     # (RESOURCE_EXHAUSTED) rather than left waiting. The extra workers serve health checks.
     workers = cfg.max_streams + 4
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
-                         options=options, maximum_concurrent_rpcs=workers)
+                         options=options, maximum_concurrent_rpcs=workers,
+                         interceptors=service_token.interceptors(cfg.tls.token))
     servicer = DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from router.policies import Overload, PolicyName
 from router.state import DEFAULT_PREFIX
+from specmesh.service_token import add_token_arg
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 
 
@@ -90,9 +91,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--grace-s", type=float, default=d.grace_s)
     add_server_args(p, env)
     add_peer_args(p, env, "verifiers")
+    add_token_arg(p, env)
     a = vars(p.parse_args(argv))
     keys = a.pop("api_keys") or [k for k in env("SPECMESH_API_KEYS", "").split(",") if k]
-    cfg = RouterConfig(api_keys=tuple(keys), tls=server_from_args(a), peer_tls=peer_from_args(a), **a)
+    # the public ports take API keys; the service token goes to verifiers
+    cfg = RouterConfig(api_keys=tuple(keys), tls=server_from_args(a), peer_tls=peer_from_args(a, a.pop("service_token")),
+                       **a)
     try:
         cfg.validate()
     except ValueError as e:

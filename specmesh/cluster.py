@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specmesh import service_token
 from specmesh.launch import terminate
 from specmesh.redis_server import RedisServer, free_port, redacted, redis_server_binary
 
@@ -66,6 +67,10 @@ class ClusterSpec:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # the verifier and drafters refuse calls without a shared token (specmesh.service_token): the
+    # one in $SPECMESH_SERVICE_TOKEN, else one generated per start; the children get it in their
+    # environment. False: internal ports open to whoever reaches 127.0.0.1.
+    service_token: bool = True
 
     def service_threads(self) -> tuple[int, int]:
         """(threads of each drafter, of each verifier TP rank). auto (0): every service may use all of
@@ -195,6 +200,7 @@ class Cluster:
         self.http_address = ""               # "" when the router has no HTTP API
         self._ports: set[int] = set()        # metrics ports handed out (children bind them later)
         self._restarts: dict[str, deque] = {}  # child name -> when it was restarted lately
+        self.service_token = (os.environ.get(service_token.ENV) or secrets.token_urlsafe(32)) if spec.service_token else ""
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -217,12 +223,14 @@ class Cluster:
         target = ["--target", s.target] if s.target else []
         public, serve, dial = _tls_flags(s)
         router = self._spawn("router", "router", "--port", str(s.port), "--http-port", str(s.http_port),
-                             *(["--tokenizer", s.target] if s.target else []), *public, *dial, redis=True)
+                             *(["--tokenizer", s.target] if s.target else []), *public, *dial, redis=True, token=True)
         drafter_threads, rank_threads = s.service_threads()
         drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
-                                "--threads", str(drafter_threads), *serve, metrics=s.metrics) for i in range(s.drafters)]
+                                "--threads", str(drafter_threads), *serve, metrics=s.metrics, token=True)
+                    for i in range(s.drafters)]
         verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
-                               "--threads", str(rank_threads), *target, *serve, *dial, metrics=s.metrics, redis=True)
+                               "--threads", str(rank_threads), *target, *serve, *dial, metrics=s.metrics, redis=True,
+                               token=True)
         # 3. each drafter registers through its sidecar once it listens
         self._wait([router, *drafters], should_stop)
         sidecars = [self._spawn(f"{d.name}-register", "router.register", "--role", "drafter", "--address", d.address,
@@ -238,14 +246,17 @@ class Cluster:
         self.children = [router, *drafters, *sidecars, verifier]
 
     def _spawn(self, name: str, module: str, *args: str, ready: re.Pattern = LISTEN, metrics: bool = False,
-               redis: bool = False) -> Child:
-        """`redis`: the child gets the Redis URL (with its password) as $SPECMESH_REDIS_URL."""
+               redis: bool = False, token: bool = False) -> Child:
+        """`redis`: the child gets the Redis URL (with its password) as $SPECMESH_REDIS_URL;
+        `token`: the service token as $SPECMESH_SERVICE_TOKEN ("" when the spec turns it off)."""
         port = 0
         while metrics and (port == 0 or port in self._ports):
             port = free_port()  # the kernel may offer a port again until the child that got it binds it
         self._ports.add(port)
+        env = {**({"SPECMESH_REDIS_URL": self.redis_url} if redis else {}),
+               **({service_token.ENV: self.service_token} if token else {})}
         child = spawn(name, [self.python, "-m", module, *args, *(["--metrics-port", str(port)] if port else [])], ready,
-                      {"SPECMESH_REDIS_URL": self.redis_url} if redis else None)
+                      env or None)
         child.metrics_url = f"http://127.0.0.1:{port}/metrics" if port else ""
         self.children.append(child)
         return child

@@ -52,6 +52,7 @@ class ServerTls:
     cert: str = ""       # PEM certificate chain of this server ("" = plaintext)
     key: str = ""        # its PEM private key
     client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    token: str = ""      # shared service token every call must carry (specmesh.service_token)
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +76,7 @@ class PeerTls:
     cert: str = ""         # PEM client certificate presented to peers (mTLS)
     key: str = ""          # its PEM private key
     server_name: str = ""  # expected name in peers' certificates ("" = the dialled host)
+    token: str = ""        # shared service token sent with every call (specmesh.service_token)
 
     @property
     def enabled(self) -> bool:
@@ -125,15 +127,21 @@ def channel_credentials(ca: str | None = None, cert: str | None = None,
 
 def peer_channel(address: str, peer: PeerTls, options: Sequence[tuple[str, object]] = (),
                  aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
-    """A channel to another service: TLS as `peer` says, else plaintext."""
+    """A channel to another service: TLS as `peer` says, else plaintext; every call carries
+    `peer.token` when set."""
+    from specmesh import service_token
+
+    opts = list(options)
+    extra = {"interceptors": service_token.aio_interceptors(peer.token)} if aio else {}
     mod = grpc.aio if aio else grpc
     if not peer.enabled:
-        return mod.insecure_channel(address, options=list(options))
-    opts = list(options)
-    if peer.server_name:
-        opts.append(("grpc.ssl_target_name_override", peer.server_name))
-    creds = channel_credentials(peer.ca or None, peer.cert or None, peer.key or None)
-    return mod.secure_channel(address, creds, options=opts)
+        ch = mod.insecure_channel(address, options=opts, **extra)
+    else:
+        if peer.server_name:
+            opts.append(("grpc.ssl_target_name_override", peer.server_name))
+        creds = channel_credentials(peer.ca or None, peer.cert or None, peer.key or None)
+        ch = mod.secure_channel(address, creds, options=opts, **extra)
+    return ch if aio else service_token.sending(ch, peer.token)
 
 
 # -- HTTP (aiohttp server, any ssl client) -------------------------------------------------------
@@ -214,11 +222,11 @@ def add_peer_args(p: argparse.ArgumentParser, env: Env = os.environ.get, what: s
                    help="name expected in peers' certificates instead of the dialled host")
 
 
-def server_from_args(a: dict) -> ServerTls:
-    """Pop the flags of add_server_args from `vars(args)`."""
-    return ServerTls(a.pop("tls_cert"), a.pop("tls_key"), a.pop("tls_client_ca"))
+def server_from_args(a: dict, token: str = "") -> ServerTls:
+    """Pop the flags of add_server_args from `vars(args)`; `token`: the service token to require."""
+    return ServerTls(a.pop("tls_cert"), a.pop("tls_key"), a.pop("tls_client_ca"), token)
 
 
-def peer_from_args(a: dict) -> PeerTls:
-    """Pop the flags of add_peer_args from `vars(args)`."""
-    return PeerTls(a.pop("peer_ca"), a.pop("peer_cert"), a.pop("peer_key"), a.pop("peer_server_name"))
+def peer_from_args(a: dict, token: str = "") -> PeerTls:
+    """Pop the flags of add_peer_args from `vars(args)`; `token`: the service token to send."""
+    return PeerTls(a.pop("peer_ca"), a.pop("peer_cert"), a.pop("peer_key"), a.pop("peer_server_name"), token)

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "TLS on the router's ports, mTLS between services")
     p.add_argument("--tls-key", default=env("SPECMESH_TLS_KEY", ""), help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default=env("SPECMESH_TLS_CA", ""), help="PEM CA that signed --tls-cert")
+    p.add_argument("--no-service-token", action="store_true",
+                   help="leave the verifier's and drafters' ports open to whoever reaches them (default: they "
+                        "require a shared token, $SPECMESH_SERVICE_TOKEN or one generated per start)")
     p.add_argument("--demo", action="store_true", help="run one streamed chat generation, print stats, stop")
     p.add_argument("--prompt", default=UpConfig.prompt, help="--demo: the user message")
     p.add_argument("--max-tokens", type=int, default=UpConfig.max_tokens, help="--demo: tokens to generate")
@@ -68,7 +71,7 @@ def config_from_args(a: argparse.Namespace) -> UpConfig:
     spec = ClusterSpec(drafters=a.drafters, tp=a.tp, redis_url=a.redis_url, target=a.target,
                        drafter=resolve_auto(a.drafter, a.target),
                        port=a.port, http_port=a.http_port, threads=a.threads, metrics=not a.no_metrics,
-                       tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca)
+                       tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca, service_token=not a.no_service_token)
     spec.validate()
     if a.max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {a.max_tokens}")
@@ -107,6 +110,9 @@ def print_endpoints(cluster: Cluster) -> None:
         print(f"  {name:<20} {address:<32} pid {pid:<8} {what.strip()}".rstrip(), flush=True)
     if cluster.redis is None:
         print(f"  {'redis':<20} {redacted(cluster.redis_url)} (external)", flush=True)
+    if cluster.service_token:
+        print("  internal ports (verifier, drafters) require a service token: set $SPECMESH_SERVICE_TOKEN "
+              "before `specmesh up` to choose it (else one is generated, known to the children only)", flush=True)
     print(f"specmesh ready: grpc {cluster.grpc_address} http {http}", flush=True)
 
 

@@ -13,11 +13,14 @@ import socket
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster import ClusterSpec, crash_report, describe_exit
 from specmesh.drafters import bundled_drafter_path
 from specmesh.up import add_arguments, config_from_args
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.certs import make_pki
 from tests.up_proc import UpProcess, alive, in_groups
 
@@ -95,8 +98,11 @@ def test_demo_streams_text_prints_stats_and_exits_0():
     prompt = ">>> Name three primary colors."
     text = out[out.index(prompt) + len(prompt): stats.start()]
     assert len(text.strip()) > 5, up.output()  # the generated text, streamed before the stats
-    spec = r"^speculation: \d+ verify steps, \d+ drafted, \d+ accepted \(acceptance [\d.]+"
-    assert re.search(spec, out, re.MULTILINE)
+    spec = r"^speculation: \d+ verify steps, (\d+) drafted, \d+ accepted \(acceptance [\d.]+"
+    drafted = re.search(spec, out, re.MULTILINE)
+    # the verifier reached its drafter with the service token (on by default)
+    assert drafted and int(drafted.group(1)) > 0, up.output()
+    assert "require a service token" in out
     assert not in_groups(set(up.pids().values()))
 
 
@@ -133,6 +139,21 @@ def test_sigterm_stops_every_child_in_reverse_order():
         for pid in pids.values():
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             assert b"redis://" not in cmdline and b"requirepass" not in cmdline, cmdline
+            assert b"service-token" not in cmdline and b"SPECMESH_SERVICE_TOKEN" not in cmdline, cmdline
+        # the internal ports refuse a caller without the service token; their health stays open
+        listed = {line.split()[0]: line.split()[1] for line in up.out if line.startswith("  ") and len(line.split()) > 1}
+        with grpc.insecure_channel(listed["verifier"]) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(verifier_pb2_grpc.VerifierStub(ch).Generate(
+                    verifier_pb2.GenerateRequest(token_ids=verifier_pb2.TokenIds(ids=[1, 2]), max_tokens=1), timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(listed["drafter-0"]) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(drafter_pb2_grpc.DrafterStub(ch).Draft(iter([drafter_pb2.DrafterRequest(session_id="x")]),
+                                                            timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
         up.signal(signal.SIGTERM)
         assert up.wait(timeout=120) == 0, up.output()
     finally:

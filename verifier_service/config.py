@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specmesh.device import DTYPES
 from specmesh.kernels import cpu_count
+from specmesh.service_token import add_token_arg
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 from verifier_service.tp_join import parse_hostport
 
@@ -119,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     add_server_args(p, env)
     add_peer_args(p, env, "drafters")
+    add_token_arg(p, env)
     a = p.parse_args(argv)
     if a.tp < 1 or a.threads < 1:
         p.error("--tp and --threads must be >= 1")
@@ -135,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     elif 0 < a.tp_local_ranks < a.tp:
         p.error("--tp-local-ranks below --tp needs --tp-listen HOST:PORT (where the other ranks join)")
     a = vars(a)
-    cfg = VerifierConfig(tls=server_from_args(a), peer_tls=peer_from_args(a), **a)
+    token = a.pop("service_token")  # required of routers, sent to drafters
+    cfg = VerifierConfig(tls=server_from_args(a, token), peer_tls=peer_from_args(a, token), **a)
     try:
         cfg.tls.validate()
         cfg.peer_tls.validate()

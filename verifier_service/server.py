@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh import service_token
 from specmesh.tls import add_port
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.servicer import VerifierServicer
@@ -23,7 +24,8 @@ def build_server(verifier: Verifier, max_workers: int = 32) -> tuple[grpc.Server
     cfg = verifier.cfg
     opts = [("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.max_receive_message_length", cfg.max_message_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=opts)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=opts,
+                         interceptors=service_token.interceptors(cfg.tls.token))
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(verifier), server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -396,7 +396,7 @@ def test_cpu_dev_runs_the_bundled_model_without_gpus():
     models = one(docs, "ConfigMap", models_name(docs))["data"]
     assert models["SPECMESH_TARGET"].startswith("/models/") and models["SPECMESH_TARGET"].endswith(".gguf")
     secrets = {d["metadata"]["name"].rsplit("-", 1)[0] for d in docs if d["kind"] == "Secret"}
-    assert secrets == {"specmesh-redis", "specmesh-api-keys"}  # dev-only, generated
+    assert secrets == {"specmesh-redis", "specmesh-api-keys", "specmesh-service-token"}  # dev-only, generated
 
 
 @pytest.mark.parametrize("overlay", ["gpu", "gpu-multinode"])
@@ -483,6 +483,23 @@ def test_redis_has_aof_auth_and_services_take_the_url_from_the_secret(overlay):
                     users += 1
                 assert "redis://" not in e.get("value", ""), f"{where}: a Redis URL (password) in a manifest"
     assert users >= 3  # router, verifier, drafter's register sidecar
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_internal_ports_require_the_service_token_from_the_secret(overlay):
+    """The router, every verifier (rank 0) and every drafter read SPECMESH_SERVICE_TOKEN from the
+    Secret: verifiers and drafters refuse calls without it (specmesh.service_token)."""
+    docs = render(overlay)
+    holders = set()
+    for where, t in pod_templates(docs):
+        for c in containers(t):
+            for e in c.get("env", []):
+                if e["name"] == "SPECMESH_SERVICE_TOKEN":
+                    ref = e["valueFrom"]["secretKeyRef"]  # cpu-dev's generated name has a hash suffix
+                    assert ref["key"] == "token" and ref["name"].startswith("specmesh-service-token"), where
+                    holders.add((where, c["name"]))
+    names = {c for _, c in holders}
+    assert {"router", "verifier", "drafter"} <= names, holders
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
