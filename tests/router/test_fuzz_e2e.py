@@ -200,3 +200,35 @@ def test_grpc_requests_get_ok_or_a_client_fault(cluster):
 
         prop()
         assert [r.chunk.token_ids[:] for r in stub.Generate(ok, timeout=120) if r.HasField("chunk")] == ref
+
+
+def test_a_megabyte_stop_string_does_not_stall_the_router(cluster):
+    """Finding 1's request (a 1 MB stop string, ignore_eos) while /health is polled: every probe is
+    answered at once and the request itself takes what its tokens take (it stalled the router's
+    event loop for 40 s and took 53 s when the stop check tried every prefix of the stop string)."""
+    import threading
+    import time
+
+    body = dict(COMPLETION, stop=["x" * 1_000_000], max_tokens=24, ignore_eos=True)
+    done = threading.Event()
+    result: list = []
+
+    def run():
+        t = time.monotonic()
+        result.append((post(cluster.http_address, "/v1/completions", json.dumps(body).encode()),
+                       time.monotonic() - t))
+        done.set()
+    threading.Thread(target=run, daemon=True).start()
+    waits = []
+    while not done.is_set():
+        t = time.monotonic()
+        with urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=30) as resp:
+            assert resp.status == 200
+        waits.append(time.monotonic() - t)
+        time.sleep(0.02)
+    (status, raw), took = result[0]
+    assert status == 200, raw[:300]
+    assert json.loads(raw)["usage"]["completion_tokens"] == 24
+    waits.sort()
+    assert len(waits) >= 5 and waits[len(waits) * 9 // 10] < 0.1, waits  # 90% within 100 ms on 2 busy cores
+    assert took < 30, took
