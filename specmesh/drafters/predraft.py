@@ -64,8 +64,7 @@ __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "Session
            "draft_generator", "calibrate"]
 PRIOR_OBSERVATIONS = 32.0  # what the drafter's recent sessions weigh in a new session's acceptance
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
-PROBE_EVERY = 16  # plain steps in a row after which one tree is drafted anyway, ...
-MAX_PROBE_EVERY = 64  # ... twice as many after each probe that did not pay, up to this (see _send) ...
+PROBE_EVERY = 16  # plain steps in a row after which one tree is drafted anyway ...
 MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
 
 
@@ -253,8 +252,6 @@ class DraftAhead:
         self._sent_at = 0.0
         self._overlapped = False
         self._plain_steps = 0  # empty trees sent in a row
-        self._probe_every = PROBE_EVERY  # plain steps before the next probe
-        self._probed = False  # the last tree sent was a probe
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -461,13 +458,13 @@ class DraftAhead:
     def _plan(self, budget: int, depth: int) -> Plan:
         # after PROBE_EVERY steps without a tree, one speculates anyway: the acceptance that
         # speculation is judged by comes only from verified trees
-        probe = self._plain_steps >= self._probe_every or sum(self.acceptance.tried[0]) < MIN_TRIALS
+        probe = self._plain_steps >= PROBE_EVERY or sum(self.acceptance.tried[0]) < MIN_TRIALS
         return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
                             speculate=probe, plain_run=self._plain_run())
 
     def _plain_run(self) -> int:
         """One-row steps a tree left out now stands for: the rest of the run up to the next probe."""
-        return max(1, self._probe_every - self._plain_steps)
+        return max(1, PROBE_EVERY - self._plain_steps)
 
     def _children_on_path(self, k: int) -> list[int]:
         """Tokens of the children the tree last sent has at the k-th node of its main path."""
@@ -483,27 +480,17 @@ class DraftAhead:
         tokens in one call later."""
         p = (self.plan if self._caps == (budget, depth) else None) or self._plan(budget, depth)
         if p.budget == 0:
-            return self._send(DraftTree.empty(), budget, depth, False)
+            return self._send(DraftTree.empty(), budget, depth, False, self._plain_run())
         behind = self._behind()
         t = time.perf_counter()
         tree = self.session.draft(p.budget, p.depth, self.params, self.generator)
         self._add_draft_cost([tree], time.perf_counter() - t, behind)
         return self._send(tree, budget, depth, False)
 
-    def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool) -> StepTree:
-        """Send `tree`; an empty one asks for a plain run up to the next probe (`StepTree.plain`)."""
+    def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool, plain: int = 0) -> StepTree:
         self.step += 1
         self.steps += 1
-        # probes back off: a plain run right after a probe doubles the next run (a probe costs a
-        # round trip and a tree's verification); a tree chosen on its merits starts over
-        if tree.tokens:
-            self._probed = self._plain_steps >= self._probe_every
-            if not self._probed and sum(self.acceptance.tried[0]) >= MIN_TRIALS:
-                self._probe_every = PROBE_EVERY
-        elif self._probed:
-            self._probe_every, self._probed = min(2 * self._probe_every, MAX_PROBE_EVERY), False
-        plain = 0 if tree.tokens else self._plain_run()
-        self._plain_steps = 0 if tree.tokens else self._plain_steps + plain
+        self._plain_steps = 0 if tree.tokens else self._plain_steps + max(1, plain)
         self._tree = tree
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
