@@ -262,7 +262,7 @@ class Router:
                 if t.done:
                     return
                 if t.finish is not None:  # the stream ended after the last token, before Complete
-                    tail = t.text.finish()
+                    tail = await self._text_work(t, t.text.finish)
                     if tail:
                         yield Delta([], tail)
                     yield self._done(t, None, whole_turn=False)
@@ -316,7 +316,7 @@ class Router:
                 if t.history == _History.NONE:  # the verifier accepted the turn: record its prompt
                     await self._record(t, t.base + t.new if t.replace else t.new, t.replace)
                 if resp.HasField("complete"):
-                    tail = t.text.finish()
+                    tail = await self._text_work(t, t.text.finish)
                     if tail:
                         yield Delta([], tail)
                     t.done = True
@@ -330,7 +330,8 @@ class Router:
                 if t.finish is not None and ids:  # the verifier went past a stop it could not see
                     return
                 start = len(t.produced)
-                cut = first_stop(t.produced + ids, start, req.stops.ids, req.stops.strings, self.decode)
+                cut = await self._text_work(t, first_stop, t.produced + ids, start, req.stops.ids, req.stops.strings,
+                                            self.decode)
                 if cut is not None:
                     ids, t.finish = ids[: cut - start], "stop"
                 elif start + len(ids) >= req.max_tokens:
@@ -342,7 +343,7 @@ class Router:
                 if not start:
                     self.metrics.observe_ttft(time.monotonic() - t.t0)
                 self.metrics.tokens_generated += len(ids)
-                yield Delta(ids, t.text.push(ids), lps[: len(ids)])
+                yield Delta(ids, await self._text_work(t, t.text.push, ids), lps[: len(ids)])
         except grpc.aio.AioRpcError as e:
             kind = client_fault(e.code())
             if kind is not None:
@@ -358,6 +359,13 @@ class Router:
                 call.cancel()
             self.metrics.in_flight -= 1
             await self._add_load(addrs, -1, -t.context)
+
+    @staticmethod
+    async def _text_work(t: _Turn, fn, *args):
+        """`fn(*args)`: decoding and stop matching of the turn's tokens. With stop strings (up to the
+        request's byte limit long) it runs in a worker thread, so no request's text work holds the
+        event loop that serves every other request and /health; without, it is a few microseconds."""
+        return await asyncio.to_thread(fn, *args) if t.req.stops.strings else fn(*args)
 
     def _upstream(self, t: _Turn, binding: Binding) -> verifier_pb2.GenerateRequest:
         up = verifier_pb2.GenerateRequest()
