@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from router.policies import Overload, PolicyName
-from router.state import DEFAULT_PREFIX
+from router.state import DEFAULT_PREFIX, SESSION_TTL_S
 from specmesh.service_token import add_token_arg
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 
@@ -31,7 +31,7 @@ class RouterConfig:
     max_tokens: int = 2048               # upper bound of a request's max_tokens
     max_request_bytes: int = 4 << 20     # serialized request (gRPC) / body (HTTP)
     body_timeout_s: float = 30.0         # HTTP: a body not in after this long gets a 408 (slow clients)
-    session_ttl_s: float = 3600.0        # binding and history live this long after the last turn
+    session_ttl_s: float = SESSION_TTL_S  # binding and history live this long after the last turn
     max_attempts: int = 3                # verifiers tried per turn (before and after the first token)
     default_max_tokens_http: int = 16    # OpenAI's default when a request names none
     grace_s: float = 5.0                 # graceful shutdown: in-flight streams get this long

@@ -38,6 +38,7 @@ from router.policies import Binding, Endpoint, Role
 from router.state import (
     DEFAULT_PREFIX,
     REPUBLISH_LUA,
+    SESSION_TTL_S,
     Keys,
     binding_to_json,
     endpoint_from_json,
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 
 INTERVAL_S = 2.0
 TTL_S = 6.0
-SESSION_TTL_S = 3600.0  # of a republished session's keys: the router's default; its turns refresh them
 Held = tuple[str, list[int], str]  # a session a verifier holds: (id, tokens, drafter address or "")
 ADVERTISE_ENV = "SPECMESH_ADVERTISE_ADDR"
 PREFIX_ENV = "SPECMESH_REDIS_PREFIX"
@@ -86,7 +86,7 @@ class Heartbeat:
         self.client, self.endpoint, self.load = client, endpoint, load
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self.alive, self.held = alive, held
-        self.session_ttl_ms = int(session_ttl_s * 1000)
+        self.session_ttl_ms = int(session_ttl_s * 1000)  # the router's default; its turns refresh them
         self.keys = Keys(prefix)
         self._republish = client.register_script(REPUBLISH_LUA)
         self._stop = threading.Event()

@@ -16,8 +16,8 @@ configured `{session}` is `<key id>/<session id>`, router.turns.scoped_session):
 - `P load:{address}` (hash, TTL 10 min refreshed on every change): `turns`, `tokens` = turns in
   flight and their context tokens, summed over all routers.
 - `P rr` (string, no TTL): round-robin counter (INCR).
-- `P gen` (string, no TTL): this Redis's generation, a random id written by the first router or
-  verifier that finds it missing. A router that remembered another id knows Redis lost its data
+- `P gen` (string, no TTL): this Redis's generation, a random id written by the first router that
+  finds it missing. A router that remembered another id knows Redis lost its data
   (a restart without persistence, a flush) since it last looked.
 - `P keysess:{key id}` (zset, ~60 B + session id per member; TTL = session TTL, refreshed every
   turn; only with `--max-sessions-per-key`): the live sessions of one API key, scored by the
@@ -43,8 +43,8 @@ changed waits for the verifiers it knew to register again before placing an unbo
 (router.turns). Sessions are bound to a verifier, so with several verifiers each session comes
 back from the one that holds it.
 
-Connections: redis-py retries a command on a connection or timeout error with backoff (`RETRY`:
-a restarted Redis costs reconnecting, not a request) and pings a connection idle for
+Connections: redis-py retries a command on a connection or timeout error with backoff
+(`retry_options`: a restarted Redis costs reconnecting, not a request) and pings a connection idle for
 `HEALTH_CHECK_S` before use. Any Redis failure left after that is raised as `StateUnavailable`
 (UNAVAILABLE / 503 at the edge).
 """
@@ -53,10 +53,9 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-
-import uuid
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -72,6 +71,7 @@ from router.policies import Binding, Endpoint, Load, Role
 
 DEFAULT_PREFIX = "specmesh:"
 LOAD_TTL_S = 600.0
+SESSION_TTL_S = 3600.0  # binding and history live this long after a session's last turn (default)
 _TOKEN = np.dtype("<i4")
 RETRIES, RETRY_BASE_S, RETRY_CAP_S = 8, 0.02, 1.0  # ~4 s of attempts: a restart, not an outage
 HEALTH_CHECK_S = 10
@@ -85,6 +85,7 @@ def retry_options(sync: bool = False) -> dict:
     return {"retry": retry(ExponentialWithJitterBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), RETRIES),
             "retry_on_error": [RedisConnectionError, RedisTimeoutError],
             "health_check_interval": HEALTH_CHECK_S}
+
 
 # KEYS = binding, history; ARGV = binding JSON, packed tokens, TTL ms. A verifier's copy of a
 # session, written back only where Redis holds no binding for it (after Redis lost its data).
@@ -195,7 +196,7 @@ def unpack_tokens(data: bytes | None) -> list[int]:
 class RouterState:
     """Typed operations on the keys above. Every method raises StateUnavailable on Redis errors."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = 3600.0) -> None:
+    def __init__(self, client: aioredis.Redis, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = SESSION_TTL_S) -> None:
         self.r = client
         self.keys = Keys(prefix)
         self.session_ttl_ms = int(session_ttl_s * 1000)
@@ -203,7 +204,7 @@ class RouterState:
         self._admit = client.register_script(_ADMIT_LUA)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = 3600.0,
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = SESSION_TTL_S,
                  timeout_s: float = 2.0) -> RouterState:
         client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                    **retry_options())

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import grpc
 
+from specmesh import service_token
+
 Env = Callable[[str, str], str]
 
 
@@ -129,8 +131,6 @@ def peer_channel(address: str, peer: PeerTls, options: Sequence[tuple[str, objec
                  aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
     """A channel to another service: TLS as `peer` says, else plaintext; every call carries
     `peer.token` when set."""
-    from specmesh import service_token
-
     opts = list(options)
     extra = {"interceptors": service_token.aio_interceptors(peer.token)} if aio else {}
     mod = grpc.aio if aio else grpc
