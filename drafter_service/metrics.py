@@ -67,8 +67,9 @@ class _MeteredSession:
         self._closed = False
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
-        return self._metered(lambda: [self.inner.draft(budget, depth, params, generator, exclude_root, branches)])[0]
+              exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
+        return self._metered(lambda: [self.inner.draft(budget, depth, params, generator, exclude_root, branches,
+                                                        guide)])[0]
 
     @property
     def draft_many(self):

@@ -21,16 +21,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specmesh.drafters.base import Drafter, DraftSession, FeatureRows
+from specmesh.drafters.base import Drafter, DraftSession, FeatureRows, guided
 from specmesh.model import Transformer
 from specmesh.logprobs import TokenLogprob, check_logprobs
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
 from specmesh.text import first_stop
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
+
+if TYPE_CHECKING:
+    from specmesh.grammar import Constraint
 
 MAX_TREE_NODES = 64
 MAX_DEPTH = 16
@@ -255,14 +258,17 @@ class TreeSource(Protocol):
 
 
 class LocalDrafts:
-    """TreeSource over an in-process DraftSession."""
+    """TreeSource over an in-process DraftSession; `guide`: the turn's grammar the trees' nodes
+    must satisfy (`grammar.Guide`), or None."""
 
     def __init__(self, session: DraftSession, spec: SpecConfig, params: SamplingParams,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, guide=None) -> None:
         self.session, self.spec, self.params, self.generator = session, spec, params, generator
+        self.guide = guide
 
     def next_tree(self, budget: int) -> DraftTree:
-        return self.session.draft(min(budget, self.spec.budget), self.spec.depth, self.params, self.generator)
+        return self.session.draft(min(budget, self.spec.budget), self.spec.depth, self.params, self.generator,
+                                  **guided(self.guide))
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
                   features: torch.Tensor | None = None, verify_s: float = 0.0) -> None:
@@ -388,7 +394,7 @@ def generate_stream(
     decode: Callable[[list[int]], str] | None = None,
     result: GenerationResult | None = None,
     logprobs: int | None = None,
-    constraint: Shape | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[list[int]]:
     """One-shot generation in this process. Yields new token ids step by step; fills `result`
     (with `logprobs` alternatives per token, also its `logprobs`: see `run_turn`)."""
@@ -404,7 +410,8 @@ def generate_stream(
     features = drafter is not None and drafter.needs_features
     target = TargetSession(model, prompt_ids, features)
     session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
-    source = LocalDrafts(session, spec, params, generator) if session is not None else None
+    guide = constraint.guide(len(prompt_ids)) if session is not None and constraint is not None else None
+    source = LocalDrafts(session, spec, params, generator, guide) if session is not None else None
     try:
         for chunk in run_turn(target, source, params, generator, stop, decode, res, logprobs, 0, constraint):
             res.stats.total_s = time.perf_counter() - t0  # includes the prefill
@@ -418,7 +425,7 @@ def generate_stream(
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, stop: StopConditions,
              drafter: Drafter | None = None, spec: SpecConfig = SpecConfig(),
              decode: Callable[[list[int]], str] | None = None, logprobs: int | None = None,
-             constraint: Shape | None = None) -> GenerationResult:
+             constraint: Constraint | None = None) -> GenerationResult:
     res = GenerationResult()
     for _ in generate_stream(model, prompt_ids, params, stop, drafter, spec, decode, res, logprobs, constraint):
         pass

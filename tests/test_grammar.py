@@ -1,10 +1,13 @@
 """Structured outputs on the bundled SmolLM2 (llguidance): greedy output under a grammar is token
 for token target-only constrained decoding with every drafter, the output matches the grammar
-(JSON that validates against its schema, regex, choice), and sampled output matches too."""
+(JSON that validates against its schema, regex, choice), and sampled output matches too. The
+drafters' guide (`grammar.Guide`) answers as a fresh matcher would, and their trees under it hold
+only nodes the grammar allows."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import jsonschema
@@ -16,7 +19,8 @@ from specmesh.drafters.model import ModelDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.grammar import Grammars, GrammarSpec
 from specmesh.runtime import encode_prompt, load_model_drafter, load_target
-from specmesh.sampling import SamplingParams
+from specmesh.sampling import SamplingParams, make_generator
+from specmesh.tree import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +90,49 @@ def test_a_bad_grammar_is_refused_naming_it(bundle):
         grammars.constraint(GrammarSpec("json_schema", "{not json"))
     with pytest.raises(ValueError, match="^structured.choice"):
         grammars.constraint(GrammarSpec("choice", "[]"))
+
+
+def test_the_guide_answers_as_a_fresh_matcher_whatever_it_was_asked_before(bundle):
+    _model, tok, grammars, _drafters = bundle
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    context = [1, 2, 3]
+    ctx = context + tok.encode('{"name": "Ann", "age": 31}', add_special_tokens=False)
+    guide = grammars.guide(spec, len(context))
+    rng = random.Random(0)
+    for _ in range(40):  # roots and paths in any order: the guide rolls back and consumes as needed
+        root = rng.randint(len(context), len(ctx))
+        path = tuple(ctx[root:root + rng.randint(0, len(ctx) - root)])
+        fresh = grammars.constraint(spec)
+        fresh.add(ctx[len(context):root + len(path)])
+        assert torch.equal(guide.allowed(ctx, root, path), fresh.allowed()), (root, path)
+    assert guide.allowed(ctx, 2, ()) is None, "a root before the turn's output: no constraint known"
+    assert guide.allowed(ctx, len(context), tuple(tok.encode("hello", add_special_tokens=False))) is None
+    assert not guide.allowed(ctx, len(ctx), (tok.eos_token_id,)).any(), "nothing follows the end of the turn"
+
+
+@pytest.mark.parametrize("kind, source, question", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_guided_trees_hold_only_nodes_the_grammar_allows(bundle, kind, source, question):
+    model, tok, grammars, drafters = bundle
+    ids = encode_prompt(tok, question, chat=True)
+    spec = GrammarSpec(kind, source)
+    for drafter in drafters:
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
+            session = drafter.open(ids, None if not drafter.needs_features else _features(model, ids))
+            tree = session.draft(8, 4, params, make_generator(params), guide=grammars.guide(spec, len(ids)))
+            assert tree.tokens, (kind, type(drafter).__name__)
+            for node, tok_id in enumerate(tree.tokens):
+                path, at = [tok_id], tree.parents[node]
+                while at != ROOT:
+                    path.insert(0, tree.tokens[at])
+                    at = tree.parents[at]
+                fresh = grammars.constraint(spec)
+                fresh.add(path[:-1])
+                assert fresh.allowed()[tok_id], (kind, type(drafter).__name__, path)
+            for ids_, probs in zip(tree.q_ids, tree.q_probs):  # sampling: q over allowed tokens, summing to 1
+                assert sum(probs) == pytest.approx(1.0)
+
+
+def _features(model, ids):
+    from specmesh.engine import TargetSession
+
+    return TargetSession(model, ids, features=True).features

@@ -11,6 +11,11 @@ the drafter's `expand` for that many children per node. For sampling, `expand` d
 i.i.d. from a q it reports, so the shape never depends on the children's own values — the
 condition `sampling.verify_sampling` needs to stay lossless. A chain is `budget == depth`.
 `grow_trees` grows several trees together, one `expand` call per level for all of them.
+
+Under a grammar (`TreeGuide`), every node's children are pruned to the tokens the grammar allows
+after its path: greedy keeps the drafter's likeliest allowed tokens, sampling draws the children
+afresh from q renormalised over the allowed tokens (and reports that q), so a tree holds no node
+verification would refuse and acceptance is measured against the masked target.
 """
 
 from __future__ import annotations
@@ -26,16 +31,19 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import ROOT, DraftTree
 
 MAX_WIDTH = 8
+GUIDE_SLACK = 8  # under a grammar, children asked for beyond those wanted (greedy: some are pruned)
 
 
 @dataclass(frozen=True)
 class Children:
-    """What `expand` returns for one node: child tokens, their log-scores, optional sparse q."""
+    """What `expand` returns for one node: child tokens, their log-scores, optional sparse q, and
+    the drafter's whole distribution they came from where it has one (a guide re-picks from it)."""
 
     tokens: list[int]
     logprobs: list[float]
     q_ids: list[int] | None = None
     q_probs: list[float] | None = None
+    probs: torch.Tensor | None = None  # [V]
 
 
 # expand(nodes, paths, counts) -> Children per node. Node ids index the tree being grown (ROOT for
@@ -49,8 +57,46 @@ def tree_width(budget: int, depth: int) -> int:
     return max(1, min(MAX_WIDTH, math.ceil(budget / max(depth, 1))))
 
 
+class TreeGuide:
+    """A grammar's guide (`specmesh.grammar.Guide`) bound to one `grow_trees` call: tree i is
+    rooted after `context[:roots[i]]`."""
+
+    def __init__(self, guide, context: list[int], roots: Sequence[int], generator: torch.Generator) -> None:
+        self.guide, self.context, self.roots, self.generator = guide, context, list(roots), generator
+
+    def prune(self, tree: int, path: tuple[int, ...], kids: Children, count: int) -> Children:
+        """At most `count` of the children that the grammar allows after `path`."""
+        allowed = self.guide.allowed(self.context, self.roots[tree], path)
+        if allowed is None:
+            return kids
+        n = allowed.shape[0]
+        if kids.probs is not None and kids.probs.shape[0] == n:  # re-pick from the masked distribution
+            return _pick(kids.probs.masked_fill(~allowed, 0.0), count, kids.q_ids is None, self.generator, masked=True)
+        if kids.q_ids is None:  # greedy: the drafter's likeliest tokens that are allowed
+            keep = [i for i, t in enumerate(kids.tokens) if t < n and allowed[t]][:count]
+            return Children([kids.tokens[i] for i in keep], [kids.logprobs[i] for i in keep])
+        ok = [i for i, t in enumerate(kids.q_ids) if t < n and allowed[t]]
+        q = torch.tensor([kids.q_probs[i] for i in ok], dtype=torch.float64)
+        if not ok or not q.sum() > 0:
+            return Children([], [])
+        ids, q = [kids.q_ids[i] for i in ok], q / q.sum()
+        draws = torch.multinomial(q, count, replacement=True, generator=self.generator).tolist()
+        return Children([ids[d] for d in draws], q[draws].log().tolist(), q_ids=ids, q_probs=q.tolist())
+
+
+def guided(guide) -> dict:
+    """The `guide` keyword of a draft call: none without a grammar, so that a DraftSession that
+    takes no guide (one outside specmesh) drafts as before."""
+    return {} if guide is None else {"guide": guide}
+
+
+def bind_guide(guide, context: list[int], roots: Sequence[int], generator: torch.Generator) -> TreeGuide | None:
+    """`guide` (a Guide or None) bound to the trees of one call rooted at `roots`."""
+    return None if guide is None else TreeGuide(guide, context, roots, generator)
+
+
 def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[int] = (),
-              branches: int = 0) -> DraftTree:
+              branches: int = 0, guide: TreeGuide | None = None) -> DraftTree:
     """`exclude_root`: tokens the root's children must not be (a predraft for an outcome in which
     the verifier rejected them: its bonus token cannot be one of them). The root asks `expand` for
     that many more children and drops those tokens. The root's children are then no longer plain
@@ -59,9 +105,10 @@ def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[
 
     `branches` > 0: the root gets that many children, and each of them a subtree planned on its
     own, of (budget - branches) // branches nodes and depth - 1 levels (a predraft: every
-    candidate for the bonus token gets a whole tree under it, the second likeliest too)."""
+    candidate for the bonus token gets a whole tree under it, the second likeliest too).
+    `guide`: the grammar the children must satisfy (see the module docstring)."""
     return grow_trees(lambda _trees, nodes, paths, counts: expand(nodes, paths, counts),
-                      [(budget, depth, exclude_root, branches)])[0]
+                      [(budget, depth, exclude_root, branches)], guide)[0]
 
 
 # expand(trees, nodes, paths, counts) -> Children per entry: as ExpandFn, each entry also naming
@@ -69,13 +116,15 @@ def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[
 TreesExpandFn = Callable[[list[int], list[int], list[tuple[int, ...]], list[int]], list[Children]]
 
 
-def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[int], int]]) -> list[DraftTree]:
+def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[int], int]],
+               guide: TreeGuide | None = None) -> list[DraftTree]:
     """Several trees grown together, one `expand` call per level for all of them: tree i has shape
     `shapes[i]` = (budget, depth, exclude_root, branches) and grows exactly as `grow_tree` would
     grow it alone (its shape is planned from its own frontier only), so each is as lossless as a
     tree drafted on its own. A drafter whose level costs one forward whatever its width (a small
     model on an accelerator) drafts many trees for the price of the deepest: drafting ahead
-    (`specmesh.drafters.predraft`) predrafts every likely outcome of a step at once this way."""
+    (`specmesh.drafters.predraft`) predrafts every likely outcome of a step at once this way.
+    `guide`: the grammar every tree's children must satisfy."""
     growing = [_Growth(*shape) for shape in shapes]
     level = 1
     while True:
@@ -90,7 +139,12 @@ def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[
         if not nodes:
             return [g.tree() for g in growing]
         asked = [c + len(growing[t].exclude) if n == ROOT else c for t, n, c in zip(trees, nodes, counts)]
-        kids = expand(trees, nodes, [growing[t].path[n] for t, n in zip(trees, nodes)], asked)
+        paths = [growing[t].path[n] for t, n in zip(trees, nodes)]
+        if guide is None:
+            kids = expand(trees, nodes, paths, asked)
+        else:
+            kids = expand(trees, nodes, paths, [c + GUIDE_SLACK for c in asked])
+            kids = [guide.prune(t, path, k, c) for t, path, k, c in zip(trees, paths, kids, asked)]
         for t, g in enumerate(growing):
             g.frontier = []
         for t, node, count, k in zip(trees, nodes, counts, kids):
@@ -185,16 +239,26 @@ def children_from_probs(
 ) -> Children:
     """Greedy: the `count` most likely tokens. Sampling: `count` i.i.d. draws from q = probs
     truncated to its `q_top` most likely ids and renormalised, reported exactly (sparse)."""
+    return _pick(probs, count, params.greedy, generator, q_top)
+
+
+def _pick(probs: torch.Tensor, count: int, greedy: bool, generator: torch.Generator, q_top: int = 64,
+          masked: bool = False) -> Children:
+    """`children_from_probs`. `masked`: `probs` has the tokens a grammar forbids at 0, and greedy
+    picks none of them either (no token left: no children)."""
     top_p, top_i = probs.topk(min(q_top, probs.shape[0]))  # [K], [K]
-    if params.greedy:
-        return Children(top_i[:count].tolist(), top_p[:count].clamp_min(1e-30).log().tolist())
-    q = top_p.double() / top_p.double().sum()  # [K]
+    if greedy:
+        if masked:
+            top_i, top_p = top_i[top_p > 0], top_p[top_p > 0]
+        return Children(top_i[:count].tolist(), top_p[:count].clamp_min(1e-30).log().tolist(), probs=probs)
+    total = top_p.double().sum()
+    if not total > 0:
+        return Children([], [])
+    q = top_p.double() / total  # [K]
     keep = q > 0
     q, ids = q[keep], top_i[keep]
     draws = torch.multinomial(q, count, replacement=True, generator=generator)  # [count]
-    return Children(
-        ids[draws].tolist(), q[draws].log().tolist(), q_ids=ids.tolist(), q_probs=q.tolist()
-    )
+    return Children(ids[draws].tolist(), q[draws].log().tolist(), q_ids=ids.tolist(), q_probs=q.tolist(), probs=probs)
 
 
 class FeatureRows:
@@ -249,8 +313,9 @@ def node_mask(paths: list[tuple[int, ...]], context_rows: int | Sequence[int], a
 
 class DraftSession(Protocol):
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
-        """A tree rooted at the last context token (`grow_tree`; `exclude_root`, `branches`: see there)."""
+              exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
+        """A tree rooted at the last context token (`grow_tree`; `exclude_root`, `branches`: see
+        there); `guide`: a grammar's `Guide` its nodes must satisfy, or None."""
 
     def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the verifier since the last call (accepted path + bonus), or new
@@ -270,7 +335,8 @@ class ManyDraftSession(DraftSession, Protocol):
     when present (`hasattr(session, "draft_many")`) and drafts one tree at a time otherwise."""
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
-                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0,
+                   guide=None) -> list[DraftTree]:
         """Tree i rooted at the context's first `roots[i]` tokens (1 <= roots[i] <= len(context)),
         grown as `draft` would grow it there with `exclude_root=excludes[i]`. The context stays."""
 

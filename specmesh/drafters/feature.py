@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, FeatureRows, children_from_probs, grow_tree, node_mask
+from specmesh.drafters.base import Children, FeatureRows, bind_guide, children_from_probs, grow_tree, node_mask
 from specmesh.drafters.model import _probs
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
@@ -106,7 +106,7 @@ class FeatureDraftSession:
         self._predicted = {p[len(t):]: f for p, f in self._predicted.items() if p[:len(t)] == t}
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
+              exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
         model, cache = self.model, self.cache
         self._predicted = {}
         n = len(self.context)
@@ -144,4 +144,4 @@ class FeatureDraftSession:
                 predicted.setdefault(path, hidden[row])
             return [children_from_probs(probs[i], c, params, generator) for i, c in enumerate(counts)]
 
-        return grow_tree(expand, budget, depth, exclude_root, branches)
+        return grow_tree(expand, budget, depth, exclude_root, branches, bind_guide(guide, self.context, [n], generator))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, children_from_probs, grow_trees, node_mask
+from specmesh.drafters.base import Children, bind_guide, children_from_probs, grow_trees, node_mask
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, target_probs
 from specmesh.tree import ROOT, DraftTree
@@ -77,11 +77,13 @@ class ModelDraftSession:
         self.context.extend(tokens)
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
-        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches)[0]
+              exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
+        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches,
+                               guide)[0]
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
-                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0,
+                   guide=None) -> list[DraftTree]:
         """Trees rooted at several points of the context, one forward per level for all of them:
         each node sees the context up to its own tree's root and its own ancestors."""
         cache, model = self.cache, self.model
@@ -124,7 +126,8 @@ class ModelDraftSession:
                                         c, params, generator)
                     for i, (t, node, c) in enumerate(zip(trees, nodes, counts))]
 
-        trees = grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes])
+        trees = grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes],
+                           bind_guide(guide, self.context, roots, generator))
         if list(roots) == [n]:  # a plain draft: commit reuses the K/V of the nodes it accepts
             self._slot_of = {path: slot for (_, path), slot in slot_of.items()}
         return trees

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specmesh.drafters.base import Children, ContextSession, grow_tree
+from specmesh.drafters.base import Children, ContextSession, bind_guide, grow_tree
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -68,7 +68,7 @@ class NgramSession(ContextSession):
         self.d = drafter
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
+              exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
         conts = find_continuations(self.context, self.d.max_ngram, self.d.min_ngram, depth)
         if not conts:
             return DraftTree.empty()
@@ -87,4 +87,5 @@ class NgramSession(ContextSession):
                 out.append(Children(nxt, [0.0] * len(nxt), *q))
             return out
 
-        return grow_tree(expand, budget, depth, exclude_root, branches)
+        return grow_tree(expand, budget, depth, exclude_root, branches,
+                         bind_guide(guide, self.context, [len(self.context)], generator))

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, ContextSession, grow_trees
+from specmesh.drafters.base import Children, ContextSession, bind_guide, grow_trees
 from specmesh.sampling import SamplingParams
 from specmesh.text import common_prefix
 from specmesh.tree import DraftTree
@@ -79,11 +79,13 @@ class OracleSession(ContextSession):
                 return t
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
-              exclude_root: Sequence[int] = (), branches: int = 0) -> DraftTree:
-        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches)[0]
+              exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
+        return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches,
+                               guide)[0]
 
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
-                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0) -> list[DraftTree]:
+                   generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0,
+                   guide=None) -> list[DraftTree]:
         """Trees rooted at several points of the context, for one level's cost per level in all:
         `draft_cost_s` plus `draft_row_cost_s` per node expanded at that level, in every tree."""
         n = len(self.context)
@@ -112,4 +114,5 @@ class OracleSession(ContextSession):
                 out.append(Children(kids[:1] if q[0] else kids, lp[:1] if q[0] else lp, *q))
             return out
 
-        return grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes])
+        return grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes],
+                          bind_guide(guide, self.context, roots, generator))

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh import planner
-from specmesh.drafters.base import DraftSession
+from specmesh.drafters.base import DraftSession, guided
 from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Costs, Plan, predraft_shape
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, depths
@@ -219,12 +219,14 @@ class DraftAhead:
     `costs`: what this process measured (shared by its sessions; each call here adds to it);
     `recent`: the acceptance of the drafter's recent sessions (shared; the prior of this one, and
     fed by it); `fixed`: trees of exactly the requested shape (only the predrafts are planned);
-    `push`: the service sends predrafts as they are made (`take_fresh`), kept here for it."""
+    `push`: the service sends predrafts as they are made (`take_fresh`), kept here for it;
+    `guide`: the turn's grammar (`specmesh.grammar.Guide`) every tree's nodes must satisfy."""
 
     def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
                  push: bool = False, costs: Costs | None = None, recent: Acceptance | None = None,
-                 fixed: bool = False) -> None:
+                 fixed: bool = False, guide=None) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
+        self.guide = guide
         self.session = session
         self.params = params
         self.pipelined = pipelined
@@ -302,12 +304,15 @@ class DraftAhead:
             return self._send_fresh(budget, depth)
 
     def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
-               features: torch.Tensor | None = None) -> StepTree:
+               features: torch.Tensor | None = None, guide=None, same_turn: bool = False) -> StepTree:
         """New committed tokens that did not come from verification, after keeping only the first
         `keep` committed ones (0 = all); returns a fresh tree for the next step. The tree last sent
-        (never committed) is dropped."""
+        (never committed) is dropped. A new turn's grammar is `guide` (None: none); `same_turn`:
+        the tokens are the current turn's output (a plain run), its guide goes on."""
         with self._lock:
             self._check_open()
+            if not same_turn:
+                self.guide = guide
             keep = keep or self.position
             if not 1 <= keep <= self.position:
                 raise ValueError(f"keep: must be in [1, {self.position}] (the committed tokens), got {keep}")
@@ -366,10 +371,12 @@ class DraftAhead:
             behind = self._behind()
             t = time.perf_counter()
             if len(ks) == 1:
-                trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0], branches)]
+                trees = [self.session.draft(budget, depth, self.params, self.generator, excludes[0], branches,
+                                            **guided(self.guide))]
             else:  # every planned outcome at once: one expansion per level for all of them
                 trees = self.session.draft_many([self.position + k for k in ks], budget, depth,
-                                                self.params, self.generator, excludes, branches)
+                                                self.params, self.generator, excludes, branches,
+                                                **guided(self.guide))
             self._add_draft_cost(trees, time.perf_counter() - t, behind, many=len(ks) > 1)
             self._overlapped = True
             for k, tree in zip(ks, trees):
@@ -483,7 +490,7 @@ class DraftAhead:
             return self._send(DraftTree.empty(), budget, depth, False, self._plain_run())
         behind = self._behind()
         t = time.perf_counter()
-        tree = self.session.draft(p.budget, p.depth, self.params, self.generator)
+        tree = self.session.draft(p.budget, p.depth, self.params, self.generator, **guided(self.guide))
         self._add_draft_cost([tree], time.perf_counter() - t, behind)
         return self._send(tree, budget, depth, False)
 
