@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
+    p.add_argument("--tokenizer", default=os.environ.get("SPECMESH_TOKENIZER"),
+                   help="the tokenizer shared with the target (HF folder or GGUF), to prune trees to a turn's "
+                        "grammar (structured outputs); default: a model drafter's own, if its files hold one")
     add_server_args(p)
     add_token_arg(p)
     return p
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, dtype=args.dtype,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
         tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca, args.service_token),
+        tokenizer=args.tokenizer,
     )
     try:
         cfg.validate()

@@ -35,6 +35,10 @@ class DrafterServiceConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (verifiers dial it); off = plaintext
+    # the tokenizer the drafter shares with its target (HF folder or GGUF): with it, trees hold
+    # only nodes a turn's grammar allows (structured outputs). None: a model drafter's own, when
+    # its files hold one; else trees are not pruned (verification still enforces the grammar)
+    tokenizer: str | None = None
 
     @property
     def kind(self) -> str:

@@ -24,6 +24,7 @@ from drafter_service.sessions import SessionStore
 from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import calibrate
+from specmesh.grammar import Grammars
 from specmesh.planner import Acceptance, Costs
 from specmesh import service_token
 from specmesh.tls import add_port
@@ -66,6 +67,29 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
     raise ValueError(f"drafter: {cfg.drafter!r} cannot be served")
 
 
+def build_grammars(cfg: DrafterServiceConfig, vocab_size: int | None) -> Grammars | None:
+    """The grammar engine over the tokenizer the drafter shares with its target: `--tokenizer`, else a
+    model drafter's own (None when its files hold none: trees are then not pruned to grammars)."""
+    from specmesh.loader import load_tokenizer
+
+    kind, arg = parse_drafter_spec(cfg.drafter)
+    path = cfg.tokenizer
+    if path is None and kind == "model":
+        try:
+            tokenizer = load_tokenizer(arg)
+        except Exception as exc:  # the files hold no tokenizer: no grammar support
+            log.info("no tokenizer in %s (%s): trees are not pruned to grammars; pass --tokenizer", arg, exc)
+            return None
+    elif path is None:
+        return None
+    else:
+        try:
+            tokenizer = load_tokenizer(path)
+        except Exception as exc:
+            raise ValueError(f"tokenizer: cannot load {path}: {exc}") from exc
+    return Grammars(tokenizer, vocab_size or len(tokenizer))
+
+
 def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
     """The drafter's costs by levels and rows, measured now on a short context (`calibrate`), so
     that the first sessions' plans already price width (a feature drafter on zero features: what
@@ -82,9 +106,10 @@ def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
 
 
 def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | None,
-                 store: SessionStore, costs: Costs | None = None,
-                 recent: Acceptance | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
-    """A started server (Drafter, health, reflection); returns it, its health servicer and port."""
+                 store: SessionStore, costs: Costs | None = None, recent: Acceptance | None = None,
+                 grammars: Grammars | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """A started server (Drafter, health, reflection); returns it, its health servicer and port.
+    `grammars`: the engine its sessions' trees are pruned to grammars with (None: not pruned)."""
     options = [("grpc.max_send_message_length", cfg.max_message_bytes),
                ("grpc.max_receive_message_length", cfg.max_message_bytes)]
     # Each Draft stream holds a worker for its lifetime; beyond the bound, RPCs are refused
@@ -93,7 +118,7 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
                          options=options, maximum_concurrent_rpcs=workers,
                          interceptors=service_token.interceptors(cfg.tls.token))
-    servicer = DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens)
+    servicer = DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens, grammars)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,6 +137,7 @@ def serve(cfg: DrafterServiceConfig) -> None:
     from specmesh.runtime import fit_threads
 
     drafter, vocab_size = build_drafter(cfg)
+    grammars = build_grammars(cfg, vocab_size)
     threads = fit_threads(drafter)
     store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s, max_total_tokens=cfg.max_total_tokens)
     costs, recent = calibrated_costs(drafter, vocab_size), Acceptance()
@@ -120,7 +146,7 @@ def serve(cfg: DrafterServiceConfig) -> None:
         drafter = MeteredDrafter(drafter, metrics := DrafterMetrics(lambda: len(store)))
         metrics.watch_planner(costs, recent)
         start_exporter(cfg.host, cfg.metrics_port, metrics.render)
-    server, health_servicer, port = start_server(cfg, drafter, vocab_size, store, costs, recent)
+    server, health_servicer, port = start_server(cfg, drafter, vocab_size, store, costs, recent, grammars)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

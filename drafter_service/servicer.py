@@ -16,6 +16,11 @@ Protocol, as this service implements it:
   last sent is dropped unverified) and answers with a fresh tree for step = last step + 1:
   steps count the trees sent for a session, 0, 1, 2, ..., whatever caused them.
 - CloseSession drops the session; no answer (unknown ids included).
+- A drafter with a tokenizer announces `specmesh-grammar: llguidance` in the stream's initial
+  metadata. OpenSession{structured} (and ExtendSession{structured} for a new turn) give the turn's
+  grammar; its trees then hold only allowed nodes. ExtendSession{same_turn} (a plain run's tokens)
+  keeps the turn's grammar. A grammar sent to a drafter without one, or that does not compile, is
+  a bad request (`structured: ...`).
 - A feature drafter (`specmesh.drafters.feature`) announces its feature size in the stream's
   initial metadata (`specmesh-feature-dim`, "0" for other drafters) and needs `features` in
   every open, extend and commit; a missing or mis-sized `features` is a bad request like any other.
@@ -43,7 +48,8 @@ from collections.abc import Iterator
 import grpc
 
 from drafter_service.sessions import SessionStore
-from specmesh.convert import FEATURE_DIM_KEY, features_from_pb, sampling_from_pb, tree_to_pb
+from specmesh.convert import (FEATURE_DIM_KEY, GRAMMAR_KEY, features_from_pb, sampling_from_pb, structured_from_pb,
+                              tree_to_pb)
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import DraftAhead, StepTree
 from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES
@@ -64,11 +70,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def __init__(self, drafter: Drafter, store: SessionStore, vocab_size: int | None,
                  costs: Costs | None = None, recent: Acceptance | None = None,
-                 max_context_tokens: int | None = None) -> None:
+                 max_context_tokens: int | None = None, grammars=None) -> None:
         """`vocab_size`: token ids must be below it; None (ngram) accepts any id >= 0. `costs`,
         `recent`: what this process measured (drafting, verifications reported, the link) and the
         acceptance of its recent sessions, shared by every session's planner. `max_context_tokens`:
-        a request that would make a session hold more is refused (the session is closed)."""
+        a request that would make a session hold more is refused (the session is closed).
+        `grammars`: a `specmesh.grammar.Grammars` over the target's tokenizer, or None (no pruning)."""
+        self.grammars = grammars
         self.max_context_tokens = max_context_tokens
         self.drafter = drafter
         self.store = store
@@ -79,7 +87,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Draft(self, request_iterator: Iterator[drafter_pb2.DrafterRequest],
               context: grpc.ServicerContext) -> Iterator[drafter_pb2.DraftResponse]:
-        context.send_initial_metadata(((FEATURE_DIM_KEY, str(self.feature_dim)),))
+        meta = [(FEATURE_DIM_KEY, str(self.feature_dim))] + ([(GRAMMAR_KEY, "llguidance")] if self.grammars else [])
+        context.send_initial_metadata(tuple(meta))
         inbox: queue.Queue = queue.Queue()
         context.add_callback(lambda: inbox.put(_END))
         threading.Thread(target=_pump, args=(request_iterator, inbox), daemon=True,
@@ -139,8 +148,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 _check_shape(e.budget, e.depth)
                 self._check_tokens("tokens", e.tokens)
                 self._check_length("tokens", (e.keep or session.position) + len(e.tokens))
+                guide = None
+                if not e.same_turn:
+                    guide = self._guide(e, (e.keep or session.position) + len(e.tokens))
                 step = session.extend(list(e.tokens), e.budget, e.depth, e.keep,
-                                      self._features(e.features, len(e.tokens)))
+                                      self._features(e.features, len(e.tokens)), guide, e.same_turn)
             else:
                 raise RequestError("kind: one of open, extend, commit or close is required")
         except ValueError as exc:
@@ -164,9 +176,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if any(pt.rows < 1 or not pt.seconds > 0 for pt in o.verify_cost):
             raise RequestError("verify_cost: every point needs rows >= 1 and seconds > 0")
         self.costs.set_verify_cost([(pt.rows, pt.seconds) for pt in o.verify_cost])
+        guide = self._guide(o, len(context))
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
                              push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
-                             fixed=o.fixed_shape)
+                             fixed=o.fixed_shape, guide=guide)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:
@@ -174,6 +187,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise
         self.store.put(sid, session)
         return session, step
+
+    def _guide(self, msg, start: int):
+        """The turn's grammar guide from an open or extend message (None when it has none), its
+        output beginning after `start` committed tokens."""
+        if not msg.HasField("structured"):
+            return None
+        if self.grammars is None:
+            raise RequestError("structured: this drafter has no tokenizer to follow a grammar with "
+                               "(it announces none; start it with --tokenizer)")
+        return self.grammars.guide(structured_from_pb(msg.structured), start)
 
     def _session(self, sid: str) -> DraftAhead:
         session = self.store.get(sid)

@@ -184,7 +184,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
 
-def _structured(body: dict) -> verifier_pb2.StructuredOutput | None:
+def _structured(body: dict) -> common_pb2.StructuredOutput | None:
     """The output grammar: OpenAI's `response_format` ({"type": "json_object"} or {"type":
     "json_schema", "json_schema": {"name", "schema", "strict", "description"}}) or vLLM's
     `structured_outputs` (exactly one of "json": a schema, "regex", "choice": a list of strings,
@@ -193,7 +193,7 @@ def _structured(body: dict) -> verifier_pb2.StructuredOutput | None:
     so = _field(body, "structured_outputs", dict, None)
     if fmt is not None and so is not None:
         raise invalid("structured_outputs", "give response_format or structured_outputs, not both")
-    out = verifier_pb2.StructuredOutput()
+    out = common_pb2.StructuredOutput()
     if fmt is not None:
         kind = fmt.get("type")
         if kind == "text" and set(fmt) == {"type"}:

@@ -141,11 +141,11 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     return req
 
 
-def _structured(spec: dict) -> verifier_pb2.StructuredOutput:
+def _structured(spec: dict) -> common_pb2.StructuredOutput:
     if len(spec) != 1:
         raise ValueError(f"structured: exactly one of json, json_object, regex, choice, grammar; got {sorted(spec)}")
     (key, value), = spec.items()
-    out = verifier_pb2.StructuredOutput()
+    out = common_pb2.StructuredOutput()
     if key == "json":
         out.json_schema = value if isinstance(value, str) else json.dumps(value)
     elif key == "json_object":

@@ -225,8 +225,13 @@ class Cluster:
         router = self._spawn("router", "router", "--port", str(s.port), "--http-port", str(s.http_port),
                              *(["--tokenizer", s.target] if s.target else []), *public, *dial, redis=True, token=True)
         drafter_threads, rank_threads = s.service_threads()
+        # drafters share the target's tokenizer: with it they prune their trees to a turn's grammar
+        from specmesh.loader import bundled_target_path
+
+        tokenizer = s.target or str(bundled_target_path())
         drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
-                                "--threads", str(drafter_threads), *serve, metrics=s.metrics, token=True)
+                                "--threads", str(drafter_threads), "--tokenizer", tokenizer, *serve,
+                                metrics=s.metrics, token=True)
                     for i in range(s.drafters)]
         verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
                                "--threads", str(rank_threads), *target, *serve, *dial, metrics=s.metrics, redis=True,

@@ -14,7 +14,7 @@ import torch
 from specmesh.grammar import GrammarSpec
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
-from specmesh.v1 import common_pb2, verifier_pb2
+from specmesh.v1 import common_pb2
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -41,7 +41,7 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def structured_from_pb(msg: verifier_pb2.StructuredOutput) -> GrammarSpec:
+def structured_from_pb(msg: common_pb2.StructuredOutput) -> GrammarSpec:
     kind = msg.WhichOneof("kind")
     if kind is None:
         raise ValueError("structured: set one of json_schema, json_object, regex, choice, lark")
@@ -50,6 +50,14 @@ def structured_from_pb(msg: verifier_pb2.StructuredOutput) -> GrammarSpec:
     if kind == "choice":
         return GrammarSpec(kind, json.dumps(list(msg.choice.choices)))
     return GrammarSpec(kind, getattr(msg, kind))
+
+
+def structured_to_pb(spec: GrammarSpec) -> common_pb2.StructuredOutput:
+    if spec.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if spec.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=json.loads(spec.source)))
+    return common_pb2.StructuredOutput(**{spec.kind: spec.source})
 
 
 def tree_from_pb(msg: common_pb2.DraftTree) -> DraftTree:
@@ -72,6 +80,7 @@ def tree_to_pb(tree: DraftTree) -> common_pb2.DraftTree:
 
 FEATURE_DTYPE = torch.float16  # target features on the wire (drafter.proto)
 FEATURE_DIM_KEY = "specmesh-feature-dim"  # the Draft stream's initial metadata: the width a drafter takes
+GRAMMAR_KEY = "specmesh-grammar"  # ... and the grammar engine it prunes its trees with (absent: none)
 
 
 def features_to_pb(features: torch.Tensor | None) -> bytes:

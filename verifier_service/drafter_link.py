@@ -13,6 +13,9 @@ for an old step is dropped here). A broken stream marks the link dead: every wai
 and `LinkPool` opens a new stream after `reconnect_s`. Links are plaintext, or TLS / mTLS as the
 pool's `PeerTls` says (a drafter refusing the handshake is a dead link like any other).
 
+Grammars: a drafter that announces a grammar engine in its initial metadata (`grammar`) is sent
+each turn's grammar with the open or extend that starts the turn, and prunes its trees to it.
+
 Feature drafters: the drafter's initial metadata says how wide the target features it takes are
 (`feature_dim`, 0 for none); for such a drafter every open/extend/commit carries the target
 session's features (`TargetSession(features=True)`, which the verifier turns on for sessions
@@ -28,10 +31,11 @@ import uuid
 
 import grpc
 
-from specmesh.convert import FEATURE_DIM_KEY, features_to_pb, sampling_to_pb, tree_from_pb
+from specmesh.convert import FEATURE_DIM_KEY, GRAMMAR_KEY, features_to_pb, sampling_to_pb, structured_to_pb, tree_from_pb
 from specmesh.text import common_prefix
 from specmesh.drafters.predraft import PREDRAFT_MAX_BUDGET, next_tree_from
 from specmesh.engine import MAX_DEPTH, SpecConfig, TargetSession
+from specmesh.grammar import GrammarSpec
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
 from specmesh.tree import DraftTree, InvalidTreeError, validate_tree
@@ -53,6 +57,7 @@ class DrafterLink:
         self.alive = True
         self.failed_at = 0.0
         self._feature_dim = 0
+        self._grammar = False
         self._announced = threading.Event()  # the initial metadata arrived, or the link died
         self._send: queue.Queue = queue.Queue()
         self._inbox: dict[str, queue.Queue] = {}
@@ -77,6 +82,12 @@ class DrafterLink:
         self._announced.wait(METADATA_WAIT_S)
         return self._feature_dim
 
+    @property
+    def grammar(self) -> bool:
+        """The drafter prunes its trees to a turn's grammar (False: not, or not known in time)."""
+        self._announced.wait(METADATA_WAIT_S)
+        return self._grammar
+
     def _read(self, call) -> None:
         try:
             meta = dict(call.initial_metadata())
@@ -84,6 +95,7 @@ class DrafterLink:
                 self._feature_dim = max(0, int(meta.get(FEATURE_DIM_KEY, "0")))
             except ValueError:
                 self._feature_dim = 0
+            self._grammar = bool(meta.get(GRAMMAR_KEY))
             self._announced.set()
             for resp in call:
                 with self._lock:
@@ -211,8 +223,9 @@ class RemoteDrafts:
 
     def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
                  spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False,
-                 step_cost: list[tuple[int, float]] | None = None) -> None:
+                 step_cost: list[tuple[int, float]] | None = None, structured: GrammarSpec | None = None) -> None:
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
+        self.structured = structured  # the turn's grammar
         self.step_cost = [pb.CostPoint(rows=r, seconds=s) for r, s in step_cost or ()]  # sent with each open
         self.derive_deadline = derive_deadline
         self.slowest_s: float | None = None  # decaying maximum of the waits for trees that came
@@ -245,11 +258,18 @@ class RemoteDrafts:
                                                   budget=self.spec.budget, depth=self.spec.depth,
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
                                                   fixed_shape=self.spec.fixed, verify_cost=self.step_cost,
-                                                  features=self._features(1, len(context) - 1)))
+                                                  features=self._features(1, len(context) - 1),
+                                                  structured=self._structured()))
+
+    def _structured(self):
+        """The turn's grammar for the drafter (None: it has none, or the drafter follows none)."""
+        return structured_to_pb(self.structured) if self.structured is not None and self.link.grammar else None
 
     def resume(self, link: DrafterLink | None, target: TargetSession, params: SamplingParams, spec: SpecConfig,
-               pipelined: bool, deadline_s: float, derive_deadline: bool = False) -> bool:
-        """Go on for a new turn whose committed tokens are `target.tokens`: send the drafter what it lacks
+               pipelined: bool, deadline_s: float, derive_deadline: bool = False,
+               structured: GrammarSpec | None = None) -> bool:
+        """Go on for a new turn whose committed tokens are `target.tokens` (and whose grammar is
+        `structured`): send the drafter what it lacks
         (after the longest common prefix) and count the turn's stats afresh. False when the
         session cannot go on (another drafter or settings, a dead link, an error, nothing shared)."""
         if (link is not self.link or not (self.usable and link.alive)
@@ -262,9 +282,11 @@ class RemoteDrafts:
         n = common_prefix(self.context, tokens)
         if n == 0:
             return False
+        self.structured = structured
         keep = 0 if n == len(self.context) else n  # the last turn ended inside a verified path
         link.extend(self.sid, pb.ExtendSession(tokens=tokens[n:], budget=spec.budget, depth=spec.depth, keep=keep,
-                                               features=self._features(n, len(tokens) - n)))
+                                               features=self._features(n, len(tokens) - n),
+                                               structured=self._structured()))
         self.context = list(tokens)
         self.step += 1  # the drafter answers with the step after the tree it sent last
         self._taken = None
@@ -317,7 +339,7 @@ class RemoteDrafts:
             self._run.extend(new_tokens)
             if not self._run_left and self.usable and self.link.alive:
                 self.link.extend(self.sid, pb.ExtendSession(tokens=self._run, budget=self.spec.budget,
-                                                            depth=self.spec.depth,
+                                                            depth=self.spec.depth, same_turn=True,
                                                             features=self._features(len(self.context), len(self._run))))
                 self.context.extend(self._run)
                 self.step += 1  # the drafter answers the extension with the tree of the next step

@@ -152,11 +152,14 @@ class Verifier:
         (ExtendSession), else a fresh one (OpenSession with the whole context), else none. A
         feature drafter needs a target session that kept its features (one started with such a
         drafter); without them, and for a feature width other than the target's hidden size, the
-        turn runs without speculation."""
+        turn runs without speculation. The drafter gets the turn's grammar, except for a turn resumed
+        after a failover (its grammar would begin at the drafter's context end, after the output so
+        far): such a turn drafts unguided, verification still enforces the grammar."""
         link = self._link(turn)
         held = session.drafts
+        structured = None if turn.resumed_output else turn.structured
         if held is not None and held.resume(link, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
-                                              turn.derive_deadline):
+                                              turn.derive_deadline, structured):
             return held
         if held is not None:
             held.close()
@@ -165,7 +168,7 @@ class Verifier:
             link = None
         session.drafts = None if link is None else RemoteDrafts(
             link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline,
-            self.step_cost)
+            self.step_cost, structured)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,

@@ -22,7 +22,7 @@ class DrafterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., extend: _Optional[_Union[ExtendSession, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape", "verify_cost")
+    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape", "verify_cost", "structured")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class OpenSession(_message.Message):
     PUSH_PREDRAFTS_FIELD_NUMBER: _ClassVar[int]
     FIXED_SHAPE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     budget: int
@@ -41,7 +42,8 @@ class OpenSession(_message.Message):
     push_predrafts: bool
     fixed_shape: bool
     verify_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ..., verify_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+    structured: _common_pb2.StructuredOutput
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ..., verify_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., structured: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("rows", "seconds")
@@ -52,18 +54,22 @@ class CostPoint(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ExtendSession(_message.Message):
-    __slots__ = ("tokens", "budget", "depth", "keep", "features")
+    __slots__ = ("tokens", "budget", "depth", "keep", "features", "structured", "same_turn")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    SAME_TURN_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: int
     depth: int
     keep: int
     features: bytes
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
+    structured: _common_pb2.StructuredOutput
+    same_turn: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., keep: _Optional[int] = ..., features: _Optional[bytes] = ..., structured: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ..., same_turn: _Optional[bool] = ...) -> None: ...
 
 class CommitStep(_message.Message):
     __slots__ = ("step", "accepted", "bonus", "budget", "depth", "features", "took_predraft", "verify_s")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x85\x01\n\x12SpeculationOptions\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x15\n\rno_pipelining\x18\x04 \x01(\x08\x12\x18\n\x10\x64raft_deadline_s\x18\x05 \x01(\x02\x12\r\n\x05\x66ixed\x18\x06 \x01(\x08\"\xed\x03\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\x0f\x64rafter_address\x18\t \x01(\t\x12\x34\n\x0bspeculation\x18\n \x01(\x0b\x32\x1f.specmesh.v1.SpeculationOptions\x12&\n\x07history\x18\x0b \x01(\x0b\x32\x15.specmesh.v1.TokenIds\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x08\x12\x1d\n\x15resumed_output_tokens\x18\x0e \x01(\r\x12\x31\n\nstructured\x18\x0f \x01(\x0b\x32\x1d.specmesh.v1.StructuredOutputB\x07\n\x05inputB\x0b\n\t_logprobs\"\x94\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.ChoiceListH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x89\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x42\n\n\x08_logprob\"x\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12\x32\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"j\n\x10GenerateResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.specmesh.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.CompleteH\x00\x42\x06\n\x04kind\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xaa\x01\n\x08Verifier\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x85\x01\n\x12SpeculationOptions\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x15\n\rno_pipelining\x18\x04 \x01(\x08\x12\x18\n\x10\x64raft_deadline_s\x18\x05 \x01(\x02\x12\r\n\x05\x66ixed\x18\x06 \x01(\x08\"\xed\x03\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\x0f\x64rafter_address\x18\t \x01(\t\x12\x34\n\x0bspeculation\x18\n \x01(\x0b\x32\x1f.specmesh.v1.SpeculationOptions\x12&\n\x07history\x18\x0b \x01(\x0b\x32\x15.specmesh.v1.TokenIds\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x08\x12\x1d\n\x15resumed_output_tokens\x18\x0e \x01(\r\x12\x31\n\nstructured\x18\x0f \x01(\x0b\x32\x1d.specmesh.v1.StructuredOutputB\x07\n\x05inputB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x89\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x42\n\n\x08_logprob\"x\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12\x32\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"j\n\x10GenerateResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.specmesh.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.CompleteH\x00\x42\x06\n\x04kind\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xaa\x01\n\x08Verifier\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,26 +36,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONOPTIONS']._serialized_end=203
   _globals['_GENERATEREQUEST']._serialized_start=206
   _globals['_GENERATEREQUEST']._serialized_end=699
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=702
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=850
-  _globals['_CHOICELIST']._serialized_start=852
-  _globals['_CHOICELIST']._serialized_end=881
-  _globals['_TOKENIDS']._serialized_start=883
-  _globals['_TOKENIDS']._serialized_end=906
-  _globals['_USAGE']._serialized_start=908
-  _globals['_USAGE']._serialized_end=995
-  _globals['_CHUNK']._serialized_start=998
-  _globals['_CHUNK']._serialized_end=1135
-  _globals['_TOKENLOGPROB']._serialized_start=1137
-  _globals['_TOKENLOGPROB']._serialized_end=1242
-  _globals['_COMPLETE']._serialized_start=1244
-  _globals['_COMPLETE']._serialized_end=1364
-  _globals['_GENERATERESPONSE']._serialized_start=1366
-  _globals['_GENERATERESPONSE']._serialized_end=1472
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1474
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1515
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1517
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1556
-  _globals['_VERIFIER']._serialized_start=1559
-  _globals['_VERIFIER']._serialized_end=1729
+  _globals['_TOKENIDS']._serialized_start=701
+  _globals['_TOKENIDS']._serialized_end=724
+  _globals['_USAGE']._serialized_start=726
+  _globals['_USAGE']._serialized_end=813
+  _globals['_CHUNK']._serialized_start=816
+  _globals['_CHUNK']._serialized_end=953
+  _globals['_TOKENLOGPROB']._serialized_start=955
+  _globals['_TOKENLOGPROB']._serialized_end=1060
+  _globals['_COMPLETE']._serialized_start=1062
+  _globals['_COMPLETE']._serialized_end=1182
+  _globals['_GENERATERESPONSE']._serialized_start=1184
+  _globals['_GENERATERESPONSE']._serialized_end=1290
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1292
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1333
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1335
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1374
+  _globals['_VERIFIER']._serialized_start=1377
+  _globals['_VERIFIER']._serialized_end=1547
 # @@protoc_insertion_point(module_scope)

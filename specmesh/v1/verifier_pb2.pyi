@@ -54,28 +54,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     prompt_logprobs: bool
     resumed_output_tokens: int
-    structured: StructuredOutput
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., history: _Optional[_Union[TokenIds, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., resumed_output_tokens: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
-
-class StructuredOutput(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "lark")
-    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
-    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
-    REGEX_FIELD_NUMBER: _ClassVar[int]
-    CHOICE_FIELD_NUMBER: _ClassVar[int]
-    LARK_FIELD_NUMBER: _ClassVar[int]
-    json_schema: str
-    json_object: bool
-    regex: str
-    choice: ChoiceList
-    lark: str
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., lark: _Optional[str] = ...) -> None: ...
-
-class ChoiceList(_message.Message):
-    __slots__ = ("choices",)
-    CHOICES_FIELD_NUMBER: _ClassVar[int]
-    choices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    structured: _common_pb2.StructuredOutput
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., history: _Optional[_Union[TokenIds, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., resumed_output_tokens: _Optional[int] = ..., structured: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

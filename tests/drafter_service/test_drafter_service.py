@@ -647,6 +647,72 @@ def test_feature_drafter_announces_its_width_and_checks_features(feature: Servic
     s.close()
 
 
+# --- grammars ---
+
+@pytest.fixture(scope="module")
+def ngram_tok(request, tmp_path_factory) -> Service:
+    """An n-gram drafter given the bundled target's tokenizer: it follows grammars."""
+    from specmesh.loader import bundled_target_path
+
+    return _service(request, tmp_path_factory, "--drafter", "ngram", "--tokenizer", str(bundled_target_path()))
+
+
+def test_a_drafter_with_a_tokenizer_prunes_its_trees_to_the_turns_grammar(ngram_tok: Service, ngram: Service) -> None:
+    from specmesh.convert import structured_to_pb
+    from specmesh.grammar import Grammars, GrammarSpec
+    from specmesh.loader import bundled_target_path, load_tokenizer
+
+    tok = load_tokenizer(bundled_target_path())
+    grammars = Grammars(tok, len(tok))
+    spec = GrammarSpec("regex", r' \{"[a-z]": [0-9]\}')
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    # "Answer:" was followed by JSON twice and by prose once: the n-gram drafter offers both
+    ctx = enc('Answer: {"a": 1}\nAnswer: no idea\nAnswer: {"b": 2}\nAnswer:')
+
+    def local(context: list[int], output: int | None) -> DraftTree:
+        guide = None if output is None else grammars.guide(spec, len(context) - output)
+        return NgramDrafter().open(list(context)).draft(8, 4, GREEDY, make_generator(GREEDY), guide=guide)
+
+    def allowed_only(tree: DraftTree, output: list[int]) -> None:
+        for node, token in enumerate(tree.tokens):
+            path, at = [token], tree.parents[node]
+            while at != -1:
+                path.insert(0, tree.tokens[at])
+                at = tree.parents[at]
+            fresh = grammars.constraint(spec)
+            fresh.add(output + path[:-1])
+            assert fresh.allowed()[token], tok.decode(output + path)
+
+    s = ngram_tok.stream()
+    assert dict(s.call.initial_metadata())["specmesh-grammar"] == "llguidance"
+    r = s.ask("g", open=_open(context=ctx, budget=8, depth=4, pipelined=False, structured=structured_to_pb(spec)))
+    tree = tree_from_pb(r.tree)
+    assert r.error == "" and tree == local(ctx, 0)
+    assert enc(" no")[0] not in tree.tokens and len(local(ctx, None)) > len(tree), "the prose branch is pruned"
+    allowed_only(tree, [])
+    # the turn goes on: a commit, then a plain run's tokens (same_turn): still the grammar's state
+    out = enc(' {"b')
+    r = s.ask("g", commit=drafter_pb2.CommitStep(step=0, accepted=out[:1], bonus=out[1], budget=8, depth=4))
+    assert r.error == "" and tree_from_pb(r.tree) == local(ctx + out, len(out))
+    allowed_only(tree_from_pb(r.tree), out)
+    run = enc('":')
+    r = s.ask("g", extend=drafter_pb2.ExtendSession(tokens=run, budget=8, depth=4, same_turn=True))
+    out += run
+    assert r.error == "" and tree_from_pb(r.tree) == local(ctx + out, len(out))
+    allowed_only(tree_from_pb(r.tree), out)
+    # a new turn without a grammar: trees are the drafter's own again
+    turn = enc(' 2}\nAnswer:')
+    r = s.ask("g", extend=drafter_pb2.ExtendSession(tokens=turn, budget=8, depth=4))
+    assert r.error == "" and tree_from_pb(r.tree) == local(ctx + out + turn, None)
+    s.close()
+    # a drafter without a tokenizer announces none, and refuses a grammar naming the field
+    t = ngram.stream()
+    assert "specmesh-grammar" not in dict(t.call.initial_metadata())
+    r = t.ask("h", open=_open(context=ctx, budget=8, depth=4, structured=structured_to_pb(spec)))
+    assert r.error.startswith("structured:")
+    t.close()
+
+
 # --- shutdown ---
 
 def test_sigterm_exits_promptly(tmp_path: Path) -> None:

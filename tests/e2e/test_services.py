@@ -71,12 +71,14 @@ def opened(drafter) -> float:
 @pytest.fixture(scope="module")
 def feature():
     """The drafter shipped for the bundled target: a feature drafter (EAGLE-style), so the verifier
-    sends the target's features with every open, extend and commit."""
+    sends the target's features with every open, extend and commit. Given the target's tokenizer,
+    it follows a turn's grammar."""
     from specmesh.drafters import bundled_drafter_path
+    from specmesh.loader import bundled_target_path
 
     port = free_port()
     p = start("drafter_service", "--drafter", f"model:{bundled_drafter_path()}", "--threads", "1",
-              "--metrics-port", str(port))
+              "--metrics-port", str(port), "--tokenizer", str(bundled_target_path()))
     p.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield p
     p.stop()
