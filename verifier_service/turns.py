@@ -97,6 +97,11 @@ class Verifier:
         if context_len > self.cfg.max_context_tokens:
             raise ValueError(f"input: {context_len} tokens exceed max_context_tokens {self.cfg.max_context_tokens}")
         constraint = None if turn.structured is None else self.grammars.constraint(turn.structured)
+        if constraint is not None and turn.resumed_output:  # the grammar has read the output so far
+            try:
+                constraint.add(turn.history[len(turn.history) - turn.resumed_output:])
+            except RuntimeError as exc:
+                raise ValueError(f"resumed_output_tokens: the output so far does not match the grammar: {exc}") from exc
         sid = turn.session_id or f"oneshot-{uuid.uuid4().hex}"
         session = self.sessions.acquire(sid)
         session.named = bool(turn.session_id)
