@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     p.add_argument("--tokenizer", default=os.environ.get("SPECMESH_TOKENIZER"),
                    help="the tokenizer shared with the target (HF folder or GGUF), to prune trees to a turn's "
-                        "grammar (structured outputs); default: a model drafter's own, if its files hold one")
+                        "grammar (structured outputs); default: a model drafter's own, if its files hold one; "
+                        "none: do not follow grammars")
     add_server_args(p)
     add_token_arg(p)
     return p

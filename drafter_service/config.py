@@ -37,7 +37,7 @@ class DrafterServiceConfig:
     tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (verifiers dial it); off = plaintext
     # the tokenizer the drafter shares with its target (HF folder or GGUF): with it, trees hold
     # only nodes a turn's grammar allows (structured outputs). None: a model drafter's own, when
-    # its files hold one; else trees are not pruned (verification still enforces the grammar)
+    # its files hold one; else, or "none", trees are not pruned (verification enforces the grammar)
     tokenizer: str | None = None
 
     @property

@@ -69,11 +69,14 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
 
 def build_grammars(cfg: DrafterServiceConfig, vocab_size: int | None) -> Grammars | None:
     """The grammar engine over the tokenizer the drafter shares with its target: `--tokenizer`, else a
-    model drafter's own (None when its files hold none: trees are then not pruned to grammars)."""
+    model drafter's own (None when its files hold none, or for `--tokenizer none`: trees are then not
+    pruned to grammars)."""
     from specmesh.loader import load_tokenizer
 
     kind, arg = parse_drafter_spec(cfg.drafter)
     path = cfg.tokenizer
+    if path == "none":
+        return None
     if path is None and kind == "model":
         try:
             tokenizer = load_tokenizer(arg)
