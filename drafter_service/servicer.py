@@ -148,11 +148,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 _check_shape(e.budget, e.depth)
                 self._check_tokens("tokens", e.tokens)
                 self._check_length("tokens", (e.keep or session.position) + len(e.tokens))
-                guide = None
-                if not e.same_turn:
-                    guide = self._guide(e, (e.keep or session.position) + len(e.tokens))
+                grammar = None if e.same_turn else self._grammar(e, (e.keep or session.position) + len(e.tokens))
                 step = session.extend(list(e.tokens), e.budget, e.depth, e.keep,
-                                      self._features(e.features, len(e.tokens)), guide, e.same_turn)
+                                      self._features(e.features, len(e.tokens)), grammar, e.same_turn)
             else:
                 raise RequestError("kind: one of open, extend, commit or close is required")
         except ValueError as exc:
@@ -176,10 +174,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if any(pt.rows < 1 or not pt.seconds > 0 for pt in o.verify_cost):
             raise RequestError("verify_cost: every point needs rows >= 1 and seconds > 0")
         self.costs.set_verify_cost([(pt.rows, pt.seconds) for pt in o.verify_cost])
-        guide = self._guide(o, len(context))
+        grammar = self._grammar(o, len(context))
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
                              push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
-                             fixed=o.fixed_shape, guide=guide)
+                             fixed=o.fixed_shape, grammar=grammar)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:
@@ -188,9 +186,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.store.put(sid, session)
         return session, step
 
-    def _guide(self, msg, start: int):
-        """The turn's grammar guide from an open or extend message (None when it has none), its
-        output beginning after `start` committed tokens."""
+    def _grammar(self, msg, start: int):
+        """The turn's grammar (a `grammar.Guide`) from an open or extend message (None when it has
+        none), its output beginning after `start` committed tokens."""
         if not msg.HasField("structured"):
             return None
         if self.grammars is None:

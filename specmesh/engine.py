@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specmesh.drafters.base import Drafter, DraftSession, FeatureRows, guided
+from specmesh.drafters.base import Drafter, DraftSession, FeatureRows, guided, turn_guide
 from specmesh.model import Transformer
 from specmesh.logprobs import TokenLogprob, check_logprobs
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
@@ -258,8 +258,8 @@ class TreeSource(Protocol):
 
 
 class LocalDrafts:
-    """TreeSource over an in-process DraftSession; `guide`: the turn's grammar the trees' nodes
-    must satisfy (`grammar.Guide`), or None."""
+    """TreeSource over an in-process DraftSession; `guide`: what shapes the turn's q beyond the
+    drafter's model (`drafters.base.DraftGuide`: a grammar, penalties), or None."""
 
     def __init__(self, session: DraftSession, spec: SpecConfig, params: SamplingParams,
                  generator: torch.Generator, guide=None) -> None:
@@ -410,7 +410,8 @@ def generate_stream(
     features = drafter is not None and drafter.needs_features
     target = TargetSession(model, prompt_ids, features)
     session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
-    guide = constraint.guide(len(prompt_ids)) if session is not None and constraint is not None else None
+    grammar = constraint.guide(len(prompt_ids)) if session is not None and constraint is not None else None
+    guide = turn_guide(params, len(prompt_ids), grammar) if session is not None else None
     source = LocalDrafts(session, spec, params, generator, guide) if session is not None else None
     try:
         for chunk in run_turn(target, source, params, generator, stop, decode, res, logprobs, 0, constraint):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh.logprobs import TokenLogprob
-from specmesh.tree import ROOT, DraftTree, children_of, depths, path_to
+from specmesh.tree import ROOT, DraftTree, children_of, path_to
 
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20
@@ -124,6 +124,7 @@ class Penalizer:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [V] context and output
         self.seen[torch.tensor(context, dtype=torch.long)] = True
         self.produced = 0
+        self._seen_idx: torch.Tensor | None = None
         self.bias = None
         if params.logit_bias:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32)
@@ -139,6 +140,13 @@ class Penalizer:
         self.counts.index_add_(0, t, torch.ones(len(tokens)))
         self.seen[t] = True
         self.produced += len(tokens)
+        self._seen_idx = None
+
+    def _seen_ids(self) -> torch.Tensor:
+        """[K] the ids of `seen` (cached until the next `add`)."""
+        if self._seen_idx is None:
+            self._seen_idx = self.seen.nonzero()[:, 0]
+        return self._seen_idx
 
     def _penalise(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """Repetition, frequency and presence on logits `x` with these counts / seen flags (same shape)."""
@@ -153,25 +161,32 @@ class Penalizer:
 
     def __call__(self, logits: torch.Tensor, parents: list[int], tokens: list[int]) -> torch.Tensor:
         """Penalised float32 logits [N+1, V] of a tree (parents, tokens) whose rows are `logits`."""
+        paths = [[]] + [[tokens[j] for j in path_to(parents, i)] for i in range(len(parents))]
+        return self.after(logits, paths)
+
+    def after(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """Penalised float32 logits [R, V] of rows that each continue the turn's output so far with
+        their own tokens `paths[r]` (a tree's rows; a drafter's nodes)."""
         raw = logits.to(torch.float32)
-        x = self._penalise(raw, self.counts.expand_as(raw), self.seen.expand_as(raw))  # the committed part
+        x = raw.clone()
+        seen = self._seen_ids()  # the committed part: only seen tokens carry these penalties
+        if len(seen):
+            cols = raw[:, seen]
+            x[:, seen] = self._penalise(cols, self.counts[seen].expand_as(cols), torch.ones_like(cols, dtype=torch.bool))
         # each row's own path: recompute its tokens' entries with the path's counts added
         rows, cols, extra = [], [], []
-        for i in range(len(parents)):
-            for tok, n in Counter(tokens[j] for j in path_to(parents, i)).items():
-                rows.append(i + 1), cols.append(tok), extra.append(n)
+        for i, path in enumerate(paths):
+            for tok, n in Counter(path).items():
+                rows.append(i), cols.append(tok), extra.append(n)
         if rows:
             r, c = torch.tensor(rows), torch.tensor(cols)
             counts = self.counts[c] + torch.tensor(extra, dtype=torch.float32)
-            x = x.clone() if x is raw else x
             x[r, c] = self._penalise(raw[r, c], counts, torch.ones_like(c, dtype=torch.bool))
         if self.bias is not None:
             x = x + self.bias
         if self.p.min_tokens and len(self.stops):
-            depth = [0] + depths(parents)  # of each row's next token past the output
-            short = torch.tensor([self.produced + d < self.p.min_tokens for d in depth])  # [N+1]
+            short = torch.tensor([self.produced + len(path) < self.p.min_tokens for path in paths])  # [R]
             if bool(short.any()):
-                x = x.clone() if x is raw else x
                 x[short.nonzero()[:, 0][:, None], self.stops[None, :]] = -math.inf
         return x
 

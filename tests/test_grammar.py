@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specmesh.drafters import bundled_drafter_path
+from specmesh.drafters.base import turn_guide
 from specmesh.drafters.model import ModelDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.grammar import Grammars, GrammarSpec
@@ -118,7 +119,8 @@ def test_guided_trees_hold_only_nodes_the_grammar_allows(bundle, kind, source, q
     for drafter in drafters:
         for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
             session = drafter.open(ids, None if not drafter.needs_features else _features(model, ids))
-            tree = session.draft(8, 4, params, make_generator(params), guide=grammars.guide(spec, len(ids)))
+            guide = turn_guide(params, len(ids), grammars.guide(spec, len(ids)))
+            tree = session.draft(8, 4, params, make_generator(params), guide=guide)
             assert tree.tokens, (kind, type(drafter).__name__)
             for node, tok_id in enumerate(tree.tokens):
                 path, at = [tok_id], tree.parents[node]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specmesh.drafters import base
-from specmesh.drafters.base import Children, TreeGuide, children_from_probs, grow_tree
+from specmesh.drafters.base import Children, DraftGuide, TreeGuide, children_from_probs, grow_tree
 from specmesh.sampling import SamplingParams, sample_token, verify_sampling
 from specmesh.tree import ROOT
 from tests.test_sampling import P_ROOT, Q_ROOT, Q_TABLE, TABLE, V, _p_value
@@ -61,7 +61,7 @@ def draft(guided: bool, budget: int, depth: int, params: SamplingParams, generat
                 for path, c in zip(paths, counts)]
         return kids if whole_q else [replace(k, probs=None) for k in kids]
 
-    guide = TreeGuide(RuleGuide(), [0], [1], generator) if guided else None
+    guide = TreeGuide(DraftGuide(params, 1, RuleGuide()), [0], [1], generator) if guided else None
     return grow_tree(expand, budget, depth, guide=guide)
 
 

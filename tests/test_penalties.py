@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from specmesh import sampling
+from specmesh.drafters.base import DraftGuide, TreeGuide, children_from_probs, drafter_probs, grow_tree
 from specmesh.sampling import Penalizer, SamplingParams, sample_token, target_probs, verify_sampling
-from tests.test_sampling import CHAIN3, P_ROOT, Q_ROOT, TABLE, WIDE, V, _Drafter, _p_value
+from tests.test_sampling import CHAIN3, P_ROOT, Q_ROOT, Q_TABLE, TABLE, WIDE, V, _Drafter, _p_value
 
 CONTEXT = [1, 5]  # committed tokens before the turn: repetition sees them, presence/frequency not
 STOP = 4
@@ -203,3 +204,78 @@ def test_penalised_greedy_identical_to_transformers_with_speculation():
         if p.logit_bias:
             assert bias_token in ref
 
+
+
+def _run_drafted(guided: bool, budget: int, depth: int, trials: int, length: int, p: SamplingParams,
+                 seed: int) -> tuple[np.ndarray, float]:
+    """As `_run`, with trees grown by `grow_tree` from Q_ROOT / Q_TABLE as the drafter's logits; with
+    `guided` the drafter's q carries the turn's penalties (`DraftGuide`). Counts and accepted
+    draft tokens per step."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros((V,) * length, dtype=np.int64)
+    log_root, log_table = torch.log(P_ROOT), torch.log(TABLE)
+    q_root, q_table = torch.log(Q_ROOT).float(), torch.log(Q_TABLE).float()
+    accepted = 0
+
+    def expand(_nodes, paths, counts_):
+        rows = [q_root if not path else q_table[path[-1]] for path in paths]
+        return [children_from_probs(drafter_probs(x[None], p)[0], c, p, generator, logits=x)
+                for x, c in zip(rows, counts_)]
+
+    for _ in range(trials):
+        pen = Penalizer(p, V, CONTEXT, frozenset([STOP]))
+        guide = TreeGuide(DraftGuide(p, len(CONTEXT)), CONTEXT, [len(CONTEXT)], generator) if guided else None
+        tree = grow_tree(expand, budget, depth, guide=guide)
+        logits = torch.cat([log_root[None], log_table[tree.tokens]])  # [N+1, V]
+        result = verify_sampling(tree, target_probs(pen(logits, tree.parents, tree.tokens), p), generator)
+        accepted += len(result.accepted)
+        out = result.tokens(tree)
+        pen.add(out)
+        while len(out) < length:
+            row = target_probs(pen(log_table[out[-1]][None], [], []), p)[0]
+            out.append(sample_token(row, generator))
+            pen.add(out[-1:])
+        counts[tuple(out[:length])] += 1
+    return counts, accepted / trials
+
+
+@pytest.mark.parametrize("budget, depth, length", [pytest.param(3, 3, 3, id="chain3"),
+                                                   pytest.param(6, 2, 2, id="wide6x2")])
+def test_a_drafter_with_penalised_q_keeps_the_penalised_target_distribution(budget, depth, length):
+    counts, _ = _run_drafted(True, budget, depth, 20_000, length, PARAMS, seed=4)
+    p_values = _p_values(counts, PARAMS)
+    assert min(p_values) > 1e-3, p_values
+
+
+def test_penalising_the_drafters_q_raises_acceptance():
+    _, unguided = _run_drafted(False, 3, 3, 4_000, 1, PARAMS, seed=6)
+    _, guided = _run_drafted(True, 3, 3, 4_000, 1, PARAMS, seed=6)
+    assert guided > unguided + 0.1, (guided, unguided)
+
+
+@pytest.mark.slow
+def test_a_self_drafter_with_the_penalties_in_its_q_accepts_more():
+    """The target drafting for itself: with the turn's penalties in its q (the default) its trees
+    are what the penalised target picks; without them it proposes what the raw target would."""
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.engine import GenerationResult, LocalDrafts, SpecConfig, StopConditions, TargetSession, run_turn
+    from specmesh.runtime import encode_prompt, load_target
+    from specmesh.sampling import make_generator
+
+    torch.set_num_threads(2)
+    model, tok = load_target(None)
+    ids = encode_prompt(tok, "List the days of the week, then the months of the year, one per line.", chat=True)
+    stop = StopConditions(32, frozenset([tok.eos_token_id]))
+    bias = ((tok.encode(" dog", add_special_tokens=False)[0], 30.0),)
+    for p in (SamplingParams(repetition_penalty=1.3), SamplingParams(logit_bias=bias)):
+        runs = []
+        for guided in (True, False):
+            generator = make_generator(p)
+            guide = DraftGuide(p, len(ids)) if guided else None
+            source = LocalDrafts(ModelDrafter(model).open(ids), SpecConfig(8, 4), p, generator, guide)
+            res = GenerationResult()
+            for _ in run_turn(TargetSession(model, ids), source, p, generator, stop, None, res):
+                pass
+            runs.append(res)
+        assert runs[0].token_ids == runs[1].token_ids
+        assert runs[0].stats.tokens_per_step > runs[1].stats.tokens_per_step + 0.5, p

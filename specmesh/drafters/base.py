@@ -12,22 +12,26 @@ i.i.d. from a q it reports, so the shape never depends on the children's own val
 condition `sampling.verify_sampling` needs to stay lossless. A chain is `budget == depth`.
 `grow_trees` grows several trees together, one `expand` call per level for all of them.
 
-Under a grammar (`TreeGuide`), every node's children are pruned to the tokens the grammar allows
-after its path: greedy keeps the drafter's likeliest allowed tokens, sampling draws the children
-afresh from q renormalised over the allowed tokens (and reports that q), so a tree holds no node
-verification would refuse and acceptance is measured against the masked target.
+A turn's `DraftGuide` makes the drafter's q follow what shapes the target's distribution beyond
+its model (`TreeGuide`, in `grow_trees`): a grammar prunes every node's children to the tokens
+it allows after the node's path, and penalties (repetition, frequency, presence, logit_bias)
+apply to the drafter's logits with the counts of the turn's output plus the path, as they apply
+to the target's at verification. Greedy keeps the drafter's likeliest tokens of that
+distribution; sampling draws the children from it (renormalised over the allowed tokens) and
+reports it as q. A tree then holds no node verification would refuse, and acceptance is measured
+against the target verification uses.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
-from specmesh.sampling import SamplingParams
+from specmesh.sampling import Penalizer, SamplingParams, target_probs
 from specmesh.tree import ROOT, DraftTree
 
 MAX_WIDTH = 8
@@ -44,6 +48,7 @@ class Children:
     q_ids: list[int] | None = None
     q_probs: list[float] | None = None
     probs: torch.Tensor | None = None  # [V]
+    logits: torch.Tensor | None = None  # [V] the drafter's raw logits behind `probs`, where it has them
 
 
 # expand(nodes, paths, counts) -> Children per node. Node ids index the tree being grown (ROOT for
@@ -57,21 +62,63 @@ def tree_width(budget: int, depth: int) -> int:
     return max(1, min(MAX_WIDTH, math.ceil(budget / max(depth, 1))))
 
 
-class TreeGuide:
-    """A grammar's guide (`specmesh.grammar.Guide`) bound to one `grow_trees` call: tree i is
-    rooted after `context[:roots[i]]`."""
+def drafter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[R, V] logits -> [R, V] a drafter's distribution (the request's temperature, top-k and top-p
+    when sampling; softmax when greedy)."""
+    if params.greedy:
+        return torch.softmax(logits.float(), dim=-1)
+    return target_probs(logits, params)
 
-    def __init__(self, guide, context: list[int], roots: Sequence[int], generator: torch.Generator) -> None:
+
+class DraftGuide:
+    """A turn's shaping of the drafter's q (see the module docstring): its sampling `params` (the
+    penalties among them), where its output begins in the context (`start`), and its grammar
+    (`specmesh.grammar.Guide`, or None)."""
+
+    def __init__(self, params: SamplingParams, start: int, grammar=None) -> None:
+        self.params, self.start, self.grammar = params, start, grammar
+        self._penalizer: Penalizer | None = None
+
+    def penalizer(self, context: list[int], vocab_size: int) -> Penalizer | None:
+        """The turn's penalties over the context before its output (built on first use)."""
+        if not self.params.penalised:
+            return None
+        if self._penalizer is None:
+            # no stop ids: a drafter does not know them (min_tokens is left to verification)
+            self._penalizer = Penalizer(self.params, vocab_size, context[:self.start], frozenset())
+        return self._penalizer
+
+
+def turn_guide(params: SamplingParams, start: int, grammar=None) -> DraftGuide | None:
+    """The DraftGuide of a turn whose output begins after `start` context tokens (None when nothing
+    beyond the drafter's model shapes its distribution)."""
+    return DraftGuide(params, start, grammar) if grammar is not None or params.penalised else None
+
+
+class TreeGuide:
+    """A DraftGuide bound to one `grow_trees` call: tree i is rooted after `context[:roots[i]]`."""
+
+    def __init__(self, guide: DraftGuide, context: list[int], roots: Sequence[int], generator: torch.Generator) -> None:
         self.guide, self.context, self.roots, self.generator = guide, context, list(roots), generator
 
     def prune(self, tree: int, path: tuple[int, ...], kids: Children, count: int) -> Children:
-        """At most `count` of the children that the grammar allows after `path`."""
-        allowed = self.guide.allowed(self.context, self.roots[tree], path)
+        """At most `count` children after `path`, of the drafter's distribution shaped as the
+        target's is: penalised, then only the tokens the grammar allows."""
+        g, root = self.guide, self.roots[tree]
+        probs = kids.probs
+        if kids.logits is not None and root >= g.start:
+            pen = g.penalizer(self.context, kids.logits.shape[0])
+            if pen is not None:
+                seq = self.context[g.start:root] + list(path)  # the turn's output up to the node
+                probs = drafter_probs(pen.after(kids.logits[None], [seq]), g.params)[0]
+        allowed = None if g.grammar is None else g.grammar.allowed(self.context, root, path)
         if allowed is None:
-            return kids
+            if probs is kids.probs:
+                return kids
+            return _pick(probs, count, g.params.greedy, self.generator, masked=True)
         n = allowed.shape[0]
-        if kids.probs is not None and kids.probs.shape[0] == n:  # re-pick from the masked distribution
-            return _pick(kids.probs.masked_fill(~allowed, 0.0), count, kids.q_ids is None, self.generator, masked=True)
+        if probs is not None and probs.shape[0] == n:  # re-pick from the masked distribution
+            return _pick(probs.masked_fill(~allowed, 0.0), count, g.params.greedy, self.generator, masked=True)
         if kids.q_ids is None:  # greedy: the drafter's likeliest tokens that are allowed
             keep = [i for i, t in enumerate(kids.tokens) if t < n and allowed[t]][:count]
             return Children([kids.tokens[i] for i in keep], [kids.logprobs[i] for i in keep])
@@ -90,8 +137,9 @@ def guided(guide) -> dict:
     return {} if guide is None else {"guide": guide}
 
 
-def bind_guide(guide, context: list[int], roots: Sequence[int], generator: torch.Generator) -> TreeGuide | None:
-    """`guide` (a Guide or None) bound to the trees of one call rooted at `roots`."""
+def bind_guide(guide: DraftGuide | None, context: list[int], roots: Sequence[int],
+               generator: torch.Generator) -> TreeGuide | None:
+    """`guide` (or None) bound to the trees of one call rooted at `roots`."""
     return None if guide is None else TreeGuide(guide, context, roots, generator)
 
 
@@ -106,7 +154,7 @@ def grow_tree(expand: ExpandFn, budget: int, depth: int, exclude_root: Sequence[
     `branches` > 0: the root gets that many children, and each of them a subtree planned on its
     own, of (budget - branches) // branches nodes and depth - 1 levels (a predraft: every
     candidate for the bonus token gets a whole tree under it, the second likeliest too).
-    `guide`: the grammar the children must satisfy (see the module docstring)."""
+    `guide`: what shapes the children's distribution (see the module docstring)."""
     return grow_trees(lambda _trees, nodes, paths, counts: expand(nodes, paths, counts),
                       [(budget, depth, exclude_root, branches)], guide)[0]
 
@@ -124,7 +172,7 @@ def grow_trees(expand: TreesExpandFn, shapes: Sequence[tuple[int, int, Sequence[
     tree drafted on its own. A drafter whose level costs one forward whatever its width (a small
     model on an accelerator) drafts many trees for the price of the deepest: drafting ahead
     (`specmesh.drafters.predraft`) predrafts every likely outcome of a step at once this way.
-    `guide`: the grammar every tree's children must satisfy."""
+    `guide`: what shapes every tree's children (see the module docstring)."""
     growing = [_Growth(*shape) for shape in shapes]
     level = 1
     while True:
@@ -236,10 +284,12 @@ def children_from_probs(
     params: SamplingParams,
     generator: torch.Generator,
     q_top: int = 64,
+    logits: torch.Tensor | None = None,  # [V] the raw logits behind `probs`, where the drafter has them
 ) -> Children:
     """Greedy: the `count` most likely tokens. Sampling: `count` i.i.d. draws from q = probs
     truncated to its `q_top` most likely ids and renormalised, reported exactly (sparse)."""
-    return _pick(probs, count, params.greedy, generator, q_top)
+    kids = _pick(probs, count, params.greedy, generator, q_top)
+    return kids if logits is None else replace(kids, logits=logits)
 
 
 def _pick(probs: torch.Tensor, count: int, greedy: bool, generator: torch.Generator, q_top: int = 64,
@@ -315,7 +365,7 @@ class DraftSession(Protocol):
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
               exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
         """A tree rooted at the last context token (`grow_tree`; `exclude_root`, `branches`: see
-        there); `guide`: a grammar's `Guide` its nodes must satisfy, or None."""
+        there); `guide`: the turn's `DraftGuide` (a grammar, penalties), or None."""
 
     def commit(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the verifier since the last call (accepted path + bonus), or new

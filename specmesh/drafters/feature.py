@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, FeatureRows, bind_guide, children_from_probs, grow_tree, node_mask
-from specmesh.drafters.model import _probs
+from specmesh.drafters.base import (Children, FeatureRows, bind_guide, children_from_probs, drafter_probs, grow_tree,
+                                    node_mask)
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
 from specmesh.tree import ROOT, DraftTree
@@ -120,7 +120,8 @@ class FeatureDraftSession:
             logits_rows=slice(-1, None), features=self.features.view()[start:], hidden=True, exact=False,
         )  # [1, V], [n - 1 - start, H]
         cache.commit(list(range(start, n - 1)))
-        root_probs = _probs(logits, params)[0]  # [V]
+        root_logits = logits[0]
+        root_probs = drafter_probs(logits, params)[0]  # [V]
         predicted = self._predicted
         predicted[()] = hidden[-1]
         slot_of: dict[tuple[int, ...], int] = {}
@@ -128,7 +129,7 @@ class FeatureDraftSession:
 
         def expand(nodes: list[int], paths: list[tuple[int, ...]], counts: list[int]) -> list[Children]:
             if nodes == [ROOT]:
-                return [children_from_probs(root_probs, counts[0], params, generator)]
+                return [children_from_probs(root_probs, counts[0], params, generator, logits=root_logits)]
             # 2. feed the nodes being expanded, each with its parent's predicted feature; each sees
             # the context rows and its own ancestors
             nonlocal next_slot
@@ -138,10 +139,10 @@ class FeatureDraftSession:
             pos = torch.tensor([n - 1 + len(p) for p in paths])  # [T] depth-based positions
             feats = torch.stack([predicted[p[:-1]] for p in paths])  # [T, H]
             logits, hidden = model(toks, pos, cache, at, mask, features=feats, hidden=True, exact=False)  # [T, V], [T, H]
-            probs = _probs(logits, params)
+            probs = drafter_probs(logits, params)
             for row, path in enumerate(paths):
                 slot_of.setdefault(path, at + row)
                 predicted.setdefault(path, hidden[row])
-            return [children_from_probs(probs[i], c, params, generator) for i, c in enumerate(counts)]
+            return [children_from_probs(probs[i], c, params, generator, logits=logits[i]) for i, c in enumerate(counts)]
 
         return grow_tree(expand, budget, depth, exclude_root, branches, bind_guide(guide, self.context, [n], generator))

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.drafters.base import Children, bind_guide, children_from_probs, grow_trees, node_mask
+from specmesh.drafters.base import Children, bind_guide, children_from_probs, drafter_probs, grow_trees, node_mask
 from specmesh.model import Transformer
-from specmesh.sampling import SamplingParams, target_probs
+from specmesh.sampling import SamplingParams
 from specmesh.tree import ROOT, DraftTree
 
 
@@ -32,13 +32,6 @@ class ModelDrafter:
         if not context:
             raise ValueError("context: a draft session needs at least one token")
         return ModelDraftSession(self.model, list(context))
-
-
-def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[R, V] logits -> [R, V] the drafter's distribution (the request's temperature when sampling)."""
-    if params.greedy:
-        return torch.softmax(logits.float(), dim=-1)
-    return target_probs(logits, params)
 
 
 class ModelDraftSession:
@@ -100,7 +93,7 @@ class ModelDraftSession:
             logits_rows=slice(low - 1 - start, None), exact=False,
         )  # [n - low + 1, V]
         cache.commit(list(range(start, n)))
-        root_probs = _probs(logits, params)  # [n - low + 1, V]
+        root_probs = drafter_probs(logits, params)  # [n - low + 1, V]
         slot_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (tree, path from its root) -> scratch slot
         next_slot = n
 
@@ -110,7 +103,7 @@ class ModelDraftSession:
             # context up to its tree's root and its own ancestors
             nonlocal next_slot
             fed = [i for i, node in enumerate(nodes) if node != ROOT]
-            probs = None
+            probs = rows = None
             if fed:
                 at, next_slot = next_slot, next_slot + len(fed)
                 fed_paths = [paths[i] for i in fed]
@@ -118,12 +111,14 @@ class ModelDraftSession:
                 mask = node_mask(fed_paths, [roots[t] for t in fed_trees], at, slot_of, fed_trees)  # [T, S]
                 toks = torch.tensor([p[-1] for p in fed_paths])  # [T]
                 pos = torch.tensor([roots[t] - 1 + len(p) for t, p in zip(fed_trees, fed_paths)])  # [T]
-                probs = _probs(model(toks, pos, cache, at, mask, exact=False), params)  # [T, V]
+                rows = model(toks, pos, cache, at, mask, exact=False)  # [T, V]
+                probs = drafter_probs(rows, params)
                 for row, (t, path) in enumerate(zip(fed_trees, fed_paths)):
                     slot_of.setdefault((t, path), at + row)
             row_of = {i: row for row, i in enumerate(fed)}
-            return [children_from_probs(root_probs[roots[t] - low] if node == ROOT else probs[row_of[i]],
-                                        c, params, generator)
+            return [children_from_probs(root_probs[roots[t] - low], c, params, generator,
+                                        logits=logits[roots[t] - low]) if node == ROOT else
+                    children_from_probs(probs[row_of[i]], c, params, generator, logits=rows[row_of[i]])
                     for i, (t, node, c) in enumerate(zip(trees, nodes, counts))]
 
         trees = grow_trees(expand, [(budget, depth, ex, branches) for ex in excludes],

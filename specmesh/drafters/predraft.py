@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh import planner
-from specmesh.drafters.base import DraftSession, guided
+from specmesh.drafters.base import DraftSession, guided, turn_guide
 from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Costs, Plan, predraft_shape
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, depths
@@ -220,13 +220,14 @@ class DraftAhead:
     `recent`: the acceptance of the drafter's recent sessions (shared; the prior of this one, and
     fed by it); `fixed`: trees of exactly the requested shape (only the predrafts are planned);
     `push`: the service sends predrafts as they are made (`take_fresh`), kept here for it;
-    `guide`: the turn's grammar (`specmesh.grammar.Guide`) every tree's nodes must satisfy."""
+    `grammar`: the turn's grammar (`specmesh.grammar.Guide`) every tree's nodes must satisfy. The
+    trees follow it and the request's penalties (`drafters.base.DraftGuide`)."""
 
     def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
                  push: bool = False, costs: Costs | None = None, recent: Acceptance | None = None,
-                 fixed: bool = False, guide=None) -> None:
+                 fixed: bool = False, grammar=None) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
-        self.guide = guide
+        self.guide = turn_guide(params, context_len, grammar)
         self.session = session
         self.params = params
         self.pipelined = pipelined
@@ -304,15 +305,15 @@ class DraftAhead:
             return self._send_fresh(budget, depth)
 
     def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
-               features: torch.Tensor | None = None, guide=None, same_turn: bool = False) -> StepTree:
+               features: torch.Tensor | None = None, grammar=None, same_turn: bool = False) -> StepTree:
         """New committed tokens that did not come from verification, after keeping only the first
         `keep` committed ones (0 = all); returns a fresh tree for the next step. The tree last sent
-        (never committed) is dropped. A new turn's grammar is `guide` (None: none); `same_turn`:
-        the tokens are the current turn's output (a plain run), its guide goes on."""
+        (never committed) is dropped. A new turn's grammar is `grammar` (None: none); `same_turn`:
+        the tokens are the current turn's output (a plain run), its grammar and counts go on."""
         with self._lock:
             self._check_open()
             if not same_turn:
-                self.guide = guide
+                self.guide = turn_guide(self.params, (keep or self.position) + len(tokens), grammar)
             keep = keep or self.position
             if not 1 <= keep <= self.position:
                 raise ValueError(f"keep: must be in [1, {self.position}] (the committed tokens), got {keep}")

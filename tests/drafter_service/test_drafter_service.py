@@ -659,6 +659,7 @@ def ngram_tok(request, tmp_path_factory) -> Service:
 
 def test_a_drafter_with_a_tokenizer_prunes_its_trees_to_the_turns_grammar(ngram_tok: Service, ngram: Service) -> None:
     from specmesh.convert import structured_to_pb
+    from specmesh.drafters.base import turn_guide
     from specmesh.grammar import Grammars, GrammarSpec
     from specmesh.loader import bundled_target_path, load_tokenizer
 
@@ -670,7 +671,8 @@ def test_a_drafter_with_a_tokenizer_prunes_its_trees_to_the_turns_grammar(ngram_
     ctx = enc('Answer: {"a": 1}\nAnswer: no idea\nAnswer: {"b": 2}\nAnswer:')
 
     def local(context: list[int], output: int | None) -> DraftTree:
-        guide = None if output is None else grammars.guide(spec, len(context) - output)
+        start = len(context) - (output or 0)
+        guide = turn_guide(GREEDY, start, None if output is None else grammars.guide(spec, start))
         return NgramDrafter().open(list(context)).draft(8, 4, GREEDY, make_generator(GREEDY), guide=guide)
 
     def allowed_only(tree: DraftTree, output: list[int]) -> None:
