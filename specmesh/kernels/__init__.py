@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh.kernels import dispatch as _dispatch
+from specmesh.paths import cache_root
 
-SMALL_M_MAX = 17  # a 16-node tree + the pending token; at 17 rows still faster than MKL on every SmolLM2 shape
+SMALL_M_MAX = 17  # rows of a verification step: a 16-node tree + the pending token
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
 _POOL = Path(__file__).with_name("pool.h")  # included by both kernels' sources
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -87,8 +88,6 @@ class _State:
 
 
 def _cache_dir() -> Path:
-    from specmesh.loader import cache_root
-
     return Path(os.environ.get("SPECMESH_KERNEL_DIR") or cache_root() / "kernels")
 
 
