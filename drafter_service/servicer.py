@@ -52,7 +52,7 @@ from specmesh.convert import (FEATURE_DIM_KEY, GRAMMAR_KEY, features_from_pb, sa
                               tree_to_pb)
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import DraftAhead, StepTree
-from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES
+from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES, check_ids
 from specmesh.planner import Acceptance, Costs
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -235,11 +235,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                f"--max-context-tokens {self.max_context_tokens}")
 
     def _check_tokens(self, field: str, ids) -> None:
-        vocab = self.vocab_size
-        for t in ids:
-            if t < 0 or (vocab is not None and t >= vocab):
-                bound = f"[0, {vocab})" if vocab is not None else "[0, 2**31)"
-                raise RequestError(f"{field}: token id {t} outside vocabulary {bound}")
+        check_ids(ids, self.vocab_size, field)
 
 
 def _check_shape(budget: int, depth: int) -> None:

@@ -60,6 +60,7 @@ from google.protobuf.json_format import MessageToDict
 
 from router.errors import Kind, RouterError, invalid
 from router.turns import Delta, Done, Router, TurnRequest
+from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES
 from specmesh.logprobs import MAX_TOP_LOGPROBS
 from specmesh.v1 import common_pb2, verifier_pb2
 
@@ -149,6 +150,7 @@ def _number(body: dict, name: str, default: float) -> float:
 
 
 SPECULATION_FIELDS = {"disabled": bool, "budget": int, "depth": int}
+SPECULATION_LIMITS = {"budget": MAX_TREE_NODES, "depth": MAX_DEPTH}  # the core's, 0 = the server's default
 
 
 def _speculation(body: dict) -> verifier_pb2.SpeculationOptions:
@@ -159,8 +161,9 @@ def _speculation(body: dict) -> verifier_pb2.SpeculationOptions:
             raise invalid(f"speculation.{name}", f"unknown; expected one of {sorted(SPECULATION_FIELDS)}")
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             raise invalid(f"speculation.{name}", f"wrong type {type(value).__name__}")
-        if kind is int and not 0 <= value <= 64:
-            raise invalid(f"speculation.{name}", "must be in [0, 64] (0 = the server's default)")
+        top = SPECULATION_LIMITS.get(name)
+        if top is not None and not 0 <= value <= top:
+            raise invalid(f"speculation.{name}", f"must be in [0, {top}] (0 = the server's default)")
     return verifier_pb2.SpeculationOptions(**spec)
 
 

@@ -41,6 +41,7 @@ from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, R
 from router.register import INTERVAL_S as HEARTBEAT_INTERVAL_S
 from router.register import TTL_S as HEARTBEAT_TTL_S
 from router.state import RouterState, StateUnavailable
+from specmesh.limits import MAX_STOP_STRINGS
 from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, first_stop
 from specmesh.tls import peer_channel
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 MAX_SESSION_ID = 256  # the verifier allows 320: room for scoped_session's key prefix
 BUSY_BACKOFF_S = (0.05, 0.1, 0.2, 0.4, 0.8)
-MAX_STOP_STRINGS = 16
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),

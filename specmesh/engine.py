@@ -27,6 +27,7 @@ import torch
 
 from specmesh.drafters.base import Drafter, DraftSession, FeatureRows, guided, turn_guide
 from specmesh.model import Transformer
+from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES, check_ids
 from specmesh.logprobs import TokenLogprob, check_logprobs
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
 from specmesh.text import first_stop
@@ -35,8 +36,6 @@ from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_ma
 if TYPE_CHECKING:
     from specmesh.grammar import Constraint
 
-MAX_TREE_NODES = 64
-MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -87,10 +86,7 @@ class TargetSession:
                  prompt_logprobs: int | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt: at least one token is required")
-        vocab = model.config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} outside vocabulary [0, {vocab})")
+        check_ids(prompt_ids, model.config.vocab_size, "prompt")
         self.model = model
         self.cache = model.new_cache(len(prompt_ids) + 64)
         self.tokens: list[int] = []

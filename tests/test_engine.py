@@ -13,7 +13,8 @@ import torch
 
 from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.drafters.model import ModelDrafter
-from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions, generate
+from specmesh.engine import SpecConfig, StopConditions, generate
+from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES
 from specmesh.loader import bundled_target_path, model_from_hf, resolve_folder
 from specmesh.runtime import encode_prompt, load_target
 from specmesh.sampling import SamplingParams

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import grpc
 
 from specmesh.convert import sampling_from_pb, structured_from_pb
-from specmesh.engine import MAX_DEPTH, MAX_TREE_NODES, SpecConfig, StopConditions
+from specmesh.engine import SpecConfig, StopConditions
+from specmesh.limits import MAX_DEPTH, MAX_STOP_STRINGS, MAX_TREE_NODES
 from specmesh.logprobs import check_logprobs, logprob_to_pb
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -19,7 +20,6 @@ from verifier_service.sessions import SessionBusyError
 from verifier_service.tp_group import TPGroupError
 from verifier_service.turns import Outcome, Turn, Verifier
 
-MAX_STOP_STRINGS = 16
 MAX_SESSION_ID = 320  # the router allows 256 and prefixes "<key id>/" (router.turns.scoped_session)
 
 

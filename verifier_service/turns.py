@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from specmesh.batching import BatchingTarget
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, measure_steps, run_turn
 from specmesh.grammar import Grammars, GrammarSpec
+from specmesh.limits import check_ids
 from specmesh.logprobs import TokenLogprob
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.text import TextStream
@@ -77,9 +78,7 @@ class Verifier:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def check_ids(self, ids: list[int], name: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{name}: token id {bad} outside vocabulary [0, {self.vocab_size})")
+        check_ids(ids, self.vocab_size, name)
 
     def run(self, turn: Turn, is_active: Callable[[], bool], out: Outcome) -> Iterator[Chunk]:
         """Yield chunks of the turn; fill `out`. Raises ValueError / SessionBusyError on bad input."""
