@@ -8,17 +8,15 @@ gRPC and HTTP until SIGTERM/SIGINT. Prints `router listening on HOST:PORT http H
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import sys
 
 from router.config import parse_args
+from specmesh.service import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("SPECMESH_LOG_LEVEL", "WARNING").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level)
     from router.register import model_name
     from router.server import serve_until_signal
     from router.state import RouterState

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from router.policies import Overload, PolicyName
 from router.state import DEFAULT_PREFIX, SESSION_TTL_S
+from specmesh.service import DEFAULT_LOG_LEVEL, add_log_level_arg
 from specmesh.service_token import add_token_arg
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 
@@ -16,6 +17,7 @@ from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, pee
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
+    log_level: str = DEFAULT_LOG_LEVEL
     port: int = 0                        # gRPC (0 = a free port, printed on start)
     http_port: int = 0                   # OpenAI-compatible HTTP (0 = a free port; -1 = off)
     redis_url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss:// (TLS); password in the URL
@@ -92,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     add_server_args(p, env)
     add_peer_args(p, env, "verifiers")
     add_token_arg(p, env)
+    add_log_level_arg(p)
     a = vars(p.parse_args(argv))
     keys = a.pop("api_keys") or [k for k in env("SPECMESH_API_KEYS", "").split(",") if k]
     # the public ports take API keys; the service token goes to verifiers

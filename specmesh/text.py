@@ -69,8 +69,7 @@ class TextStream:
     """Text deltas of a growing list of tokens, decoded incrementally: each push decodes only the
     new tokens with the ones pushed just before them as context (`decode(tokens[ctx:])` minus
     `decode(tokens[ctx:read])`: the context settles a tokenizer's leading-space rules), so a push
-    costs the size of the push, not of everything before it (a whole-text decode is 1.4 ms at 2,048
-    tokens on this project's CPU, per step). A tail that decodes to an incomplete UTF-8 character
+    costs the size of the push, not of everything before it. A tail that decodes to an incomplete UTF-8 character
     is held until the character completes (or `finish`). Should the windowed decode ever disagree
     with what it decoded before, the stream re-decodes the whole text once."""
     decode: Decode

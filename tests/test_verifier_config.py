@@ -41,3 +41,10 @@ def test_flags():
 def test_loopback_addresses():
     assert on_this_machine("127.0.0.2:1") and on_this_machine("LOCALHOST:1")
     assert not on_this_machine("x127.example.com:1") and not on_this_machine("192.168.0.1:1")
+
+
+def test_drafter_addr_and_its_deprecated_old_name(capsys):
+    assert parse_args(["--drafter-addr", "127.0.0.1:5"]).drafter == "127.0.0.1:5"
+    assert capsys.readouterr().err == ""
+    assert parse_args(["--drafter", "127.0.0.1:6"]).drafter == "127.0.0.1:6"
+    assert "--drafter is deprecated, use --drafter-addr" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m verifier_service --port P --tp N --target PATH --drafter HOST:PORT ...`
+"""`python -m verifier_service --port P --tp N --target PATH --drafter-addr HOST:PORT ...`
 
 TP over machines: `--tp N --tp-local-ranks K --tp-listen 0.0.0.0:29500` here, and ranks K..N-1
 elsewhere with `python -m verifier_service.tp_group --master THIS_HOST:29500 --rank K --world N`."""
@@ -10,11 +10,13 @@ import threading
 
 import torch
 
+from specmesh.service import setup_logging
 from verifier_service.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    setup_logging(cfg.log_level)
     from specmesh import kernels
 
     kernels.set_threads(cfg.threads)

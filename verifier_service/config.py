@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 
 from specmesh.device import DTYPES
 from specmesh.kernels import cpu_count
+from specmesh.service import DEFAULT_LOG_LEVEL, add_log_level_arg
 from specmesh.service_token import add_token_arg
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
 from verifier_service.tp_join import parse_hostport
@@ -16,6 +18,7 @@ from verifier_service.tp_join import parse_hostport
 @dataclass(frozen=True)
 class VerifierConfig:
     host: str = "127.0.0.1"
+    log_level: str = DEFAULT_LOG_LEVEL
     port: int = 0                      # 0 = a free port (printed on start)
     target: str | None = None          # HF folder, .safetensors or .gguf; None = bundled SmolLM2
     tp: int = 1                        # tensor-parallel ranks (gloo on CPU, NCCL with CUDA)
@@ -91,9 +94,13 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
                         "--tp 1 on cuda initialises a one-rank NCCL group too")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=env("SPECMESH_DTYPE", d.dtype),
                    help="weights and KV cache (float32 keeps greedy output bitwise the target's; see specmesh.device)")
-    p.add_argument("--drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter), help="default drafter host:port")
+    p.add_argument("--drafter-addr", dest="drafter", default=env("SPECMESH_DRAFTER_ADDR", d.drafter),
+                   help="default drafter host:port")
+    p.add_argument("--drafter", dest="drafter_deprecated", default=None,
+                   help="deprecated: the old name of --drafter-addr (on the drafter service and the CLI, "
+                        "--drafter is a drafter kind)")
     p.add_argument("--drafter-allow", type=_address_list, default=env("SPECMESH_DRAFTER_ALLOW", ""),
-                   help="comma list of host:port a request's drafter_address may name, besides --drafter and "
+                   help="comma list of host:port a request's drafter_address may name, besides --drafter-addr and "
                         "the drafters registered in --redis-url's registry (anything else is refused)")
     p.add_argument("--tree-budget", dest="budget", type=int, default=int(env("SPECMESH_TREE_BUDGET", d.budget)),
                    help="cap on draft nodes per step; the drafter's planner picks each step's shape within the caps")
@@ -105,15 +112,17 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--no-pipelining", dest="pipelining", action="store_const", const="off", help="= --pipelining off")
     p.add_argument("--batching", choices=("auto", "on", "off"), default=env("SPECMESH_BATCHING", d.batching),
                    help="--tp 1: concurrent sessions share forwards (auto: on with --threads > 1; with one "
-                        "thread, concurrent per-session forwards use the other cores instead, measured faster)")
+                        "thread, concurrent per-session forwards use the other cores instead)")
     p.add_argument("--draft-deadline-s", type=float, default=float(env("SPECMESH_DRAFT_DEADLINE_S", d.draft_deadline_s)),
                    help="the longest wait for a tree; each step waits what the drafter's measured answer times "
                         "make likely, within it (a request's own draft_deadline_s is kept as asked)")
-    p.add_argument("--reconnect-s", type=float, default=d.reconnect_s)
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions)
-    p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--grace-s", type=float, default=d.grace_s)
+    p.add_argument("--reconnect-s", type=float, default=float(env("SPECMESH_RECONNECT_S", d.reconnect_s)),
+                   help="retry a failed drafter after this long")
+    p.add_argument("--max-sessions", type=int, default=int(env("SPECMESH_MAX_SESSIONS", d.max_sessions)))
+    p.add_argument("--max-context-tokens", type=int,
+                   default=int(env("SPECMESH_MAX_CONTEXT_TOKENS", d.max_context_tokens)))
+    p.add_argument("--max-new-tokens", type=int, default=int(env("SPECMESH_MAX_NEW_TOKENS", d.max_new_tokens)))
+    p.add_argument("--grace-s", type=float, default=float(env("SPECMESH_GRACE_S", d.grace_s)))
     p.add_argument("--redis-url", default=env("SPECMESH_REDIS_URL", d.redis_url),
                    help="register and heartbeat in the router registry (router.register)")
     p.add_argument("--metrics-port", type=int, default=int(env("SPECMESH_METRICS_PORT", d.metrics_port)),
@@ -121,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     add_server_args(p, env)
     add_peer_args(p, env, "drafters")
     add_token_arg(p, env)
+    add_log_level_arg(p)
     a = p.parse_args(argv)
     if a.tp < 1 or a.threads < 1:
         p.error("--tp and --threads must be >= 1")
@@ -137,6 +147,10 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     elif 0 < a.tp_local_ranks < a.tp:
         p.error("--tp-local-ranks below --tp needs --tp-listen HOST:PORT (where the other ranks join)")
     a = vars(a)
+    old = a.pop("drafter_deprecated")
+    if old is not None:
+        print("verifier_service: --drafter is deprecated, use --drafter-addr", file=sys.stderr)
+        a["drafter"] = old
     token = a.pop("service_token")  # required of routers, sent to drafters
     cfg = VerifierConfig(tls=server_from_args(a, token), peer_tls=peer_from_args(a, token), **a)
     try:

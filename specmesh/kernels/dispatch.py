@@ -11,8 +11,8 @@ torch's thread count, torch's version and the library's own hash. A later proces
 key reads it and times nothing.
 
 **One path per shape, for every row count.** A row's result through the kernel does not depend
-on the other rows in the call; through torch's GEMM it does (MKL, measured on this project's CPUs:
-one row, 2-3 rows and 4+ rows take different code, results differ in the last bits).
+on the other rows in the call; through torch's GEMM it does (MKL takes different code for one
+row, 2-3 rows and 4+ rows, and their results differ in the last bits).
 specmesh.batching runs several sessions' rows in one forward and relies on each session's result
 being what its own forward gives: true bit for bit on every shape whose choice is the kernel for
 all row counts, and broken by a per-row-count choice (a session's one decode row alone and in a

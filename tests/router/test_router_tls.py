@@ -52,7 +52,7 @@ def cluster(redis_server, pki):
         plain_tls = pool.submit(start, "router", "--http-port", "0", "--redis-url", url, *public, *dial)
         drafter = start("drafter_service", "--drafter", "ngram", *serve)
         verifier = pool.submit(start, "verifier_service", "--threads", "1", "--redis-url", url,
-                               "--drafter", drafter.address, *serve, *dial)
+                               "--drafter-addr", drafter.address, *serve, *dial)
         procs = {"drafter": drafter, "verifier": verifier.result(), "mtls": mtls.result(), "tls": plain_tls.result()}
     r = redis.Redis.from_url(url)
     wait_registered(r, [procs["verifier"].address])
