@@ -4,11 +4,12 @@ DrafterServiceConfig, set torch's threads, serve until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from drafter_service.config import DEFAULT_VOCAB_SIZE, DrafterServiceConfig
+from specmesh.device import DTYPES
+from specmesh.service import add_log_level_arg, setup_logging
 from specmesh.service_token import add_token_arg
 from specmesh.tls import ServerTls, add_server_args
 
@@ -43,28 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens all sessions may hold together (their KV caches); least recently used evicted beyond")
     p.add_argument("--device", default=_env("DEVICE", d.device),
                    help="model drafter: auto (cuda when available) | cpu | cuda")
-    p.add_argument("--dtype", default=_env("DTYPE", d.dtype), help="model drafter: float32 | bfloat16 | float16 | int8 | int4 | gguf | auto (a GGUF as a target "
-                        "loads it; else int4, requantized, when it measures faster here: a drafter's numerics only "
-                        "change its acceptance)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=_env("DTYPE", d.dtype),
+                   help="model drafter's weights (auto: a GGUF as a target loads it; else int4, requantized, when "
+                        "it measures faster here: a drafter's numerics only change its acceptance)")
     p.add_argument("--threads", type=int, default=int(_env("THREADS", str(d.threads))), help="torch threads")
     p.add_argument("--max-streams", type=int, default=int(_env("MAX_STREAMS", str(d.max_streams))))
     p.add_argument("--grace-s", type=float, default=float(_env("GRACE_S", str(d.grace_s))))
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     p.add_argument("--tokenizer", default=os.environ.get("SPECMESH_TOKENIZER"),
                    help="the tokenizer shared with the target (HF folder or GGUF), to prune trees to a turn's "
                         "grammar (structured outputs); default: a model drafter's own, if its files hold one; "
                         "none: do not follow grammars")
+    p.add_argument("--redis-url", default=_env("REDIS_URL", ""),
+                   help="register and heartbeat in the router registry (router.register), deregistered on stop")
     add_server_args(p)
     add_token_arg(p)
+    add_log_level_arg(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     cfg = DrafterServiceConfig(
         drafter=args.drafter, host=args.host, port=args.port, oracle_reference=args.oracle_reference,
         draft_cost_s=args.draft_cost_s, draft_row_cost_s=args.draft_row_cost_s, vocab_size=args.vocab_size, seed=args.seed,
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, dtype=args.dtype,
         max_streams=args.max_streams, grace_s=args.grace_s, metrics_port=args.metrics_port,
         tls=ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca, args.service_token),
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer, log_level=args.log_level, redis_url=args.redis_url,
     )
     try:
         cfg.validate()

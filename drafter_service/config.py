@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specmesh.device import DTYPES
 from specmesh.drafters import parse_drafter_spec
+from specmesh.service import DEFAULT_LOG_LEVEL
 from specmesh.tls import ServerTls
 
 DEFAULT_VOCAB_SIZE = 49152  # the bundled SmolLM2's vocabulary (oracle only)
@@ -39,6 +40,10 @@ class DrafterServiceConfig:
     # only nodes a turn's grammar allows (structured outputs). None: a model drafter's own, when
     # its files hold one; else, or "none", trees are not pruned (verification enforces the grammar)
     tokenizer: str | None = None
+    log_level: str = DEFAULT_LOG_LEVEL
+    # register and heartbeat in the router registry (as the verifier does; "" = not: a sidecar,
+    # `python -m router.register`, can register a drafter that is not specmesh's)
+    redis_url: str = ""
 
     @property
     def kind(self) -> str:
@@ -80,6 +85,8 @@ class DrafterServiceConfig:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if self.max_streams < 1:
             raise ValueError(f"max_streams: must be >= 1, got {self.max_streams}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: redis://HOST:PORT/DB, got {self.redis_url!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
         self.tls.validate()

@@ -154,12 +154,20 @@ def serve(cfg: DrafterServiceConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"drafter_service listening on {cfg.host}:{port}", flush=True)
+    beat = None
+    if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
+        from router.register import advertised_address, start_heartbeat
+
+        beat = start_heartbeat(cfg.redis_url, "drafter", advertised_address(cfg.host, port),
+                               load=lambda: {"active_sessions": len(store)})
     log.info("drafter %s, at most %d sessions, idle timeout %gs, threads %s", cfg.drafter, cfg.max_sessions,
              cfg.idle_timeout_s, threads)
     sweep_every = min(MAX_SWEEP_INTERVAL_S, cfg.idle_timeout_s / 2)
     while not stop.wait(sweep_every):
         store.sweep()
     log.info("stopping (grace %gs)", cfg.grace_s)
+    if beat is not None:
+        beat.stop()
     health_servicer.enter_graceful_shutdown()
     server.stop(cfg.grace_s).wait()
     store.close_all()

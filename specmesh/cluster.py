@@ -1,6 +1,7 @@
 """A whole specmesh deployment as child processes of this one: Redis (embedded unless a URL is
-given), the router, N drafters each with its registry sidecar (`python -m router.register`), and
-one verifier with TP=k. Used by `specmesh up` (specmesh.up) and by tests.
+given), the router, N drafters and one verifier with TP=k, the drafters and the verifier each
+registered in the router's registry by itself (`--redis-url`). Used by `specmesh up` (specmesh.up)
+and by tests.
 
 Each child runs in its own process group, so a terminal's Ctrl-C reaches only the parent, which
 stops the children in reverse start order (verifier first, Redis last) and then kills whatever is
@@ -33,7 +34,6 @@ from specmesh.redis_server import RedisServer, free_port, redacted, redis_server
 
 LISTEN = re.compile(r"listening on ([\w.\-]+):(\d+)")
 ROUTER_HTTP = re.compile(r" http ([\w.\-]+):(\d+)")
-HEARTBEATING = re.compile(r"heartbeating")
 TAIL_LINES = 40
 START_TIMEOUT_S = 300.0   # model load on a busy 2-core machine
 REGISTER_TIMEOUT_S = 60.0
@@ -75,9 +75,8 @@ class ClusterSpec:
     def service_threads(self) -> tuple[int, int]:
         """(threads of each drafter, of each verifier TP rank). auto (0): every service may use all of
         the machine's cores (a TP rank its share), and the verifier's `--pipelining auto` then has
-        drafting and verification take turns on them rather than contend: measured on the Qwen pair
-        on 2 cores, 2 threads each in turn decoded about 1.3x faster than 1 thread each pipelined
-        (README, "Threads and pipelining")."""
+        drafting and verification take turns on them rather than contend (README, "Threads and
+        pipelining", has the measurement)."""
         if self.threads:
             return self.threads, self.threads
         from specmesh.kernels import cpu_count
@@ -226,29 +225,25 @@ class Cluster:
                              *(["--tokenizer", s.target] if s.target else []), *public, *dial, redis=True, token=True)
         drafter_threads, rank_threads = s.service_threads()
         # drafters share the target's tokenizer: with it they prune their trees to a turn's grammar
-        from specmesh.loader import bundled_target_path
+        from specmesh.paths import bundled_target_path
 
         tokenizer = s.target or str(bundled_target_path())
         drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
                                 "--threads", str(drafter_threads), "--tokenizer", tokenizer, *serve,
-                                metrics=s.metrics, token=True)
+                                metrics=s.metrics, redis=True, token=True)
                     for i in range(s.drafters)]
         verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
                                "--threads", str(rank_threads), *target, *serve, *dial, metrics=s.metrics, redis=True,
                                token=True)
-        # 3. each drafter registers through its sidecar once it listens
-        self._wait([router, *drafters], should_stop)
-        sidecars = [self._spawn(f"{d.name}-register", "router.register", "--role", "drafter", "--address", d.address,
-                                *dial, ready=HEARTBEATING, redis=True)
-                    for d in drafters]
-        self._wait([*sidecars, verifier], should_stop)
+        # 3. every service registers itself once it listens
+        self._wait([router, *drafters, verifier], should_stop)
         # 4. ready = the router sees the verifier and every drafter
         self.grpc_address = router.address
         m = next((ROUTER_HTTP.search(line) for line in router.lines if ROUTER_HTTP.search(line)), None)
         self.http_address = f"{m.group(1)}:{m.group(2)}" if m else ""
         self._wait_registered(should_stop)
-        # order for stop(): the verifier first, then sidecars, drafters, router (and Redis last)
-        self.children = [router, *drafters, *sidecars, verifier]
+        # order for stop(): the verifier first, then drafters, router (and Redis last)
+        self.children = [router, *drafters, verifier]
 
     def _spawn(self, name: str, module: str, *args: str, ready: re.Pattern = LISTEN, metrics: bool = False,
                redis: bool = False, token: bool = False) -> Child:
@@ -340,7 +335,7 @@ class Cluster:
 
     def _respawn(self, old: Child, should_stop: Callable[[], bool]) -> Child:
         """`old` started again with its ports fixed to the ones it had (0 = any would move it: the
-        registry, the sidecars and the clients know the old addresses)."""
+        registry and the clients know the old addresses)."""
         ports = {"--port": old.address.rsplit(":", 1)[-1] if old.address else "0"}
         if old.name == "router" and self.http_address:
             ports["--http-port"] = self.http_address.rsplit(":", 1)[-1]

@@ -102,8 +102,6 @@ def print_endpoints(cluster: Cluster) -> None:
         if name == "router":
             address = f"grpc {cluster.grpc_address}"
             what = f"http {http} (OpenAI API, /metrics)" if cluster.http_address else ""
-        elif name.endswith("-register"):
-            what = f"registers {name.removesuffix('-register')} in Redis"
         elif name.startswith("drafter-"):
             what = s.drafter
         what += f" metrics {metrics}" if metrics else ""
