@@ -482,7 +482,7 @@ def test_redis_has_aof_auth_and_services_take_the_url_from_the_secret(overlay):
                     assert e["valueFrom"]["secretKeyRef"]["key"] == "url", where
                     users += 1
                 assert "redis://" not in e.get("value", ""), f"{where}: a Redis URL (password) in a manifest"
-    assert users >= 3  # router, verifier, drafter's register sidecar
+    assert users >= 3  # router, verifier, drafter
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
