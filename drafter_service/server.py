@@ -10,13 +10,11 @@ import logging
 import signal
 import sys
 import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.servicer import DrafterServicer
@@ -26,8 +24,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import calibrate
 from specmesh.grammar import Grammars
 from specmesh.planner import Acceptance, Costs
-from specmesh import service_token
-from specmesh.tls import add_port
+from specmesh.service import grpc_server, set_serving
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -113,25 +110,16 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
                  grammars: Grammars | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
     """A started server (Drafter, health, reflection); returns it, its health servicer and port.
     `grammars`: the engine its sessions' trees are pruned to grammars with (None: not pruned)."""
-    options = [("grpc.max_send_message_length", cfg.max_message_bytes),
-               ("grpc.max_receive_message_length", cfg.max_message_bytes)]
     # Each Draft stream holds a worker for its lifetime; beyond the bound, RPCs are refused
     # (RESOURCE_EXHAUSTED) rather than left waiting. The extra workers serve health checks.
     workers = cfg.max_streams + 4
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="drafter-rpc"),
-                         options=options, maximum_concurrent_rpcs=workers,
-                         interceptors=service_token.interceptors(cfg.tls.token))
     servicer = DrafterServicer(drafter, store, vocab_size, costs, recent, cfg.max_context_tokens, grammars)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
-    if port == 0:
-        raise OSError(f"port: cannot listen on {cfg.host}:{cfg.port}")
+    server, port, health_servicer = grpc_server(
+        DRAFTER_SERVICE, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), host=cfg.host,
+        port=cfg.port, tls=cfg.tls, max_message_bytes=cfg.max_message_bytes, max_workers=workers, max_rpcs=workers,
+        thread_name_prefix="drafter-rpc")
     server.start()
-    for name in ("", DRAFTER_SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    set_serving(health_servicer, DRAFTER_SERVICE)
     return server, health_servicer, port
 
 

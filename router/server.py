@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from router.config import RouterConfig
 from router.http_api import build_app
 from router.servicer import RouterServicer
 from router.turns import Router
-from specmesh.tls import add_port, server_ssl_context
+from specmesh.service import grpc_server, set_serving
+from specmesh.tls import server_ssl_context
 from specmesh.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -39,20 +39,13 @@ class Servers:
 
 
 async def start(cfg: RouterConfig, router: Router) -> Servers:
-    limit = 2 * cfg.max_request_bytes + (1 << 20)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", 64 << 20)])
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
-    hs = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
-    if port == 0:
-        raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
+    server, port, hs = grpc_server(
+        SERVICE_NAME, lambda s: router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), s),
+        host=cfg.host, port=cfg.port, tls=cfg.tls, max_message_bytes=2 * cfg.max_request_bytes + (1 << 20),
+        max_send_bytes=64 << 20, aio=True)
     await server.start()
     router.start_watch()
-    for name in ("", SERVICE_NAME):
-        await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(hs, SERVICE_NAME)
     runner, http_port = None, None
     if cfg.http_port >= 0:
         runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)

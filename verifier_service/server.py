@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import signal
 import threading
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
-from specmesh import service_token
-from specmesh.tls import add_port
+from specmesh.service import grpc_server, set_serving
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.servicer import VerifierServicer
 from verifier_service.turns import Verifier
@@ -22,19 +19,10 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 def build_server(verifier: Verifier, max_workers: int = 32) -> tuple[grpc.Server, int, health.HealthServicer]:
     cfg = verifier.cfg
-    opts = [("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.max_receive_message_length", cfg.max_message_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=opts,
-                         interceptors=service_token.interceptors(cfg.tls.token))
-    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(verifier), server)
-    hs = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
-    if port == 0:
-        raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
-    for name in ("", SERVICE_NAME):
-        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server, port, hs = grpc_server(
+        SERVICE_NAME, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(verifier), s),
+        host=cfg.host, port=cfg.port, tls=cfg.tls, max_message_bytes=cfg.max_message_bytes, max_workers=max_workers)
+    set_serving(hs, SERVICE_NAME)
     return server, port, hs
 
 
