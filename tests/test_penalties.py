@@ -74,20 +74,26 @@ def _run(parents: list[int], trials: int, length: int, p: SamplingParams, seed: 
     drafter = _Drafter(seed, Q_ROOT)
     generator = torch.Generator().manual_seed(seed + 1)
     counts = np.zeros((V,) * length, dtype=np.int64)
-    log_root, log_table = torch.log(P_ROOT), torch.log(TABLE)
     for _ in range(trials):
         pen = Penalizer(p, V, CONTEXT, frozenset([STOP]))
-        tree = drafter.tree(parents)
-        logits = torch.cat([log_root[None], log_table[tree.tokens]])  # [N+1, V]
-        probs = target_probs(pen(logits, tree.parents, tree.tokens), p)
-        out = verify_sampling(tree, probs, generator).tokens(tree)
-        pen.add(out)
-        while len(out) < length:
-            row = target_probs(pen(log_table[out[-1]][None], [], []), p)[0]
-            out.append(sample_token(row, generator))
-            pen.add(out[-1:])
+        _, out = _verify_then_decode(drafter.tree(parents), pen, p, generator, length)
         counts[tuple(out[:length])] += 1
     return counts
+
+
+def _verify_then_decode(tree, pen: Penalizer, p: SamplingParams, generator: torch.Generator, length: int):
+    """Verify `tree` against the penalised target, then sample plain steps up to `length` tokens:
+    (the verification's result, the output)."""
+    log_root, log_table = torch.log(P_ROOT), torch.log(TABLE)
+    logits = torch.cat([log_root[None], log_table[tree.tokens]])  # [N+1, V]
+    result = verify_sampling(tree, target_probs(pen(logits, tree.parents, tree.tokens), p), generator)
+    out = result.tokens(tree)
+    pen.add(out)
+    while len(out) < length:
+        row = target_probs(pen(log_table[out[-1]][None], [], []), p)[0]
+        out.append(sample_token(row, generator))
+        pen.add(out[-1:])
+    return result, out
 
 
 def _p_values(counts: np.ndarray, p: SamplingParams) -> list[float]:
@@ -213,7 +219,6 @@ def _run_drafted(guided: bool, budget: int, depth: int, trials: int, length: int
     draft tokens per step."""
     generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((V,) * length, dtype=np.int64)
-    log_root, log_table = torch.log(P_ROOT), torch.log(TABLE)
     q_root, q_table = torch.log(Q_ROOT).float(), torch.log(Q_TABLE).float()
     accepted = 0
 
@@ -225,16 +230,8 @@ def _run_drafted(guided: bool, budget: int, depth: int, trials: int, length: int
     for _ in range(trials):
         pen = Penalizer(p, V, CONTEXT, frozenset([STOP]))
         guide = TreeGuide(DraftGuide(p, len(CONTEXT)), CONTEXT, [len(CONTEXT)], generator) if guided else None
-        tree = grow_tree(expand, budget, depth, guide=guide)
-        logits = torch.cat([log_root[None], log_table[tree.tokens]])  # [N+1, V]
-        result = verify_sampling(tree, target_probs(pen(logits, tree.parents, tree.tokens), p), generator)
+        result, out = _verify_then_decode(grow_tree(expand, budget, depth, guide=guide), pen, p, generator, length)
         accepted += len(result.accepted)
-        out = result.tokens(tree)
-        pen.add(out)
-        while len(out) < length:
-            row = target_probs(pen(log_table[out[-1]][None], [], []), p)[0]
-            out.append(sample_token(row, generator))
-            pen.add(out[-1:])
         counts[tuple(out[:length])] += 1
     return counts, accepted / trials
 

