@@ -42,7 +42,7 @@ from router.register import INTERVAL_S as HEARTBEAT_INTERVAL_S
 from router.register import TTL_S as HEARTBEAT_TTL_S
 from router.state import RouterState, StateUnavailable
 from specmesh.limits import MAX_STOP_STRINGS
-from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, first_stop
+from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, eos_ids, first_stop
 from specmesh.tls import peer_channel
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -144,7 +144,7 @@ class Router:
         self.pieces = TokenPieces(tokenizer)  # token id -> (text, bytes), for logprobs
         self.metrics = metrics or Metrics()
         self.policy = get_policy(cfg.policy)
-        self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+        self.eos_ids = eos_ids(tokenizer)
         # the strings the tokenizer turns into control tokens (<|im_start|>, ...): in chat content
         # they would let a message forge the template's structure (another role, a system turn)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}

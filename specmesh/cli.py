@@ -138,13 +138,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     spec.validate()
     from specmesh.device import parse_dtype
     from specmesh.loader import bundled_target_path, load_model, load_tokenizer
+    from specmesh.text import eos_ids
 
     target = args.target or bundled_target_path()
     model, tok = load_model(target, parse_dtype(args.dtype)), load_tokenizer(target)
     if getattr(model, "weight_format", None) is not None:
         print(f"weights: {model.weight_format.describe()}", file=sys.stderr)
     prompt_ids = encode_prompt(tok, args.prompt, args.chat)
-    stop = StopConditions(args.max_tokens, frozenset(_eos_ids(tok)), tuple(args.stop))
+    stop = StopConditions(args.max_tokens, eos_ids(tok), tuple(args.stop))
     stop.validate()
     reference = None
     if kind == "oracle":
@@ -169,11 +170,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(tail)
         print(_summary(stats), file=sys.stderr)
     return 0
-
-
-def _eos_ids(tok) -> list[int]:
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    return sorted(ids)
 
 
 def _summary(s: dict) -> str:

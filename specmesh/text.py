@@ -25,6 +25,11 @@ class Stops:
     strings: tuple[str, ...] = ()
 
 
+def eos_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id as the stop ids every turn has (unless it ignores EOS)."""
+    return frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+
+
 def first_stop(tokens: Sequence[int], start: int, ids: frozenset[int], strings: tuple[str, ...],
                decode: Decode | None) -> int | None:
     """Length to cut `tokens` (the turn's new tokens) to if a stop fires at index >= `start`."""

@@ -17,7 +17,7 @@ from specmesh.grammar import Grammars, GrammarSpec
 from specmesh.limits import check_ids
 from specmesh.logprobs import TokenLogprob
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.text import TextStream
+from specmesh.text import TextStream, eos_ids
 from verifier_service.config import VerifierConfig
 from verifier_service.drafter_link import DrafterLink, LinkPool, RemoteDrafts
 from verifier_service.sessions import Session, SessionStore
@@ -66,7 +66,7 @@ class Verifier:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        self.eos_ids = frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+        self.eos_ids = eos_ids(tokenizer)
         self.sessions = SessionStore(cfg.max_sessions)
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured outputs
         self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s, cfg.peer_tls)
