@@ -75,22 +75,22 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="tokenizer path (HF folder or .gguf); default: the bundled model's")
     p.add_argument("--model-name", default=env("SPECMESH_MODEL_NAME", d.model_name))
     p.add_argument("--policy", choices=[n.value for n in PolicyName], default=env("SPECMESH_POLICY", d.policy))
-    p.add_argument("--overload-tokens", type=int, default=d.overload_tokens)
-    p.add_argument("--overload-ratio", type=float, default=d.overload_ratio)
+    p.add_argument("--overload-tokens", type=int, default=int(env("SPECMESH_OVERLOAD_TOKENS", d.overload_tokens)))
+    p.add_argument("--overload-ratio", type=float, default=float(env("SPECMESH_OVERLOAD_RATIO", d.overload_ratio)))
     p.add_argument("--api-key", dest="api_keys", action="append", default=None,
                    help="accepted bearer key (repeat for several); also SPECMESH_API_KEYS=k1,k2")
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-prompt-tokens", type=int, default=int(env("SPECMESH_MAX_PROMPT_TOKENS", d.max_prompt_tokens)))
+    p.add_argument("--max-tokens", type=int, default=int(env("SPECMESH_MAX_TOKENS", d.max_tokens)))
+    p.add_argument("--max-request-bytes", type=int, default=int(env("SPECMESH_MAX_REQUEST_BYTES", d.max_request_bytes)))
     p.add_argument("--body-timeout-s", type=float, default=float(env("SPECMESH_BODY_TIMEOUT_S", d.body_timeout_s)),
                    help="HTTP: seconds a request body may take to arrive; then 408 and the connection closes")
-    p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s)
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--session-ttl-s", type=float, default=float(env("SPECMESH_SESSION_TTL_S", d.session_ttl_s)))
+    p.add_argument("--max-attempts", type=int, default=int(env("SPECMESH_MAX_ATTEMPTS", d.max_attempts)))
     p.add_argument("--max-sessions-per-key", type=int,
                    default=int(env("SPECMESH_MAX_SESSIONS_PER_KEY", d.max_sessions_per_key)),
                    help="live sessions per API key (requests with a session id; one-shots are not counted); "
                         "a new one beyond -> RESOURCE_EXHAUSTED / 429; 0 = unlimited")
-    p.add_argument("--grace-s", type=float, default=d.grace_s)
+    p.add_argument("--grace-s", type=float, default=float(env("SPECMESH_GRACE_S", d.grace_s)))
     add_server_args(p, env)
     add_peer_args(p, env, "verifiers")
     add_token_arg(p, env)
