@@ -37,7 +37,7 @@ from tests.tiny_models import random_hf_model
 from verifier_service.tp_group import start_tp
 from verifier_service.tp_join import TPStartError, parse_worker_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LWS_LEADER_ADDRESS",
             "LWS_WORKER_INDEX", "LWS_GROUP_SIZE", "GPUS_PER_POD", "SPECMESH_TARGET")
 
