@@ -12,6 +12,9 @@ distribution q its children were drawn from, sparse: `q_ids[m]`, `q_probs[m]` fo
 many children a node has must not depend on their values: that is what the recursive rejection
 sampler in `sampling.py` relies on. Greedy verification ignores q.
 
+Besides validation and masks, the generic operations on a tree: its main path, a node's subtree
+re-rooted, a tree trimmed to a shape (what turns a predraft into the next step's tree).
+
 This module knows nothing about models, caches or transport.
 """
 
@@ -146,3 +149,82 @@ def tree_attention_mask(parents: list[int]) -> torch.Tensor:
             mask[i] = mask[p]
         mask[i, i] = True
     return mask
+
+
+# --- re-rooting and trimming (a predraft's subtree becomes the next step's tree) ---
+
+def main_path(tree: DraftTree) -> list[int]:
+    """Node indices from the root to a leaf, always following the first child (empty tree: [])."""
+    kids = children_of(tree)
+    path: list[int] = []
+    node = ROOT
+    while kids[node]:
+        node = kids[node][0]
+        path.append(node)
+    return path
+
+
+def subtree(tree: DraftTree, node: int) -> DraftTree:
+    """The descendants of `node`, re-rooted: `node` becomes the root (its children get parent -1,
+    its q becomes the root's q); indices keep their relative order; other q entries are dropped."""
+    assert 0 <= node < len(tree), f"node {node} outside a tree of {len(tree)} nodes"
+    new_index = {node: ROOT}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for i in range(node + 1, len(tree)):
+        p = tree.parents[i]
+        if p in new_index:
+            new_index[i] = len(tokens)
+            tokens.append(tree.tokens[i])
+            parents.append(new_index[p])
+    return _with_q(tree, tokens, parents, new_index)
+
+
+def trim_nodes(tree: DraftTree, budget: int, depth: int) -> list[int]:
+    """Indices (ascending) of the nodes `trim` keeps: first the main path down to `depth`, then
+    other nodes in index order, each only if its parent is kept and it is at most `depth` deep,
+    until `budget` nodes are kept.
+
+    The kept set is closed under parents, and each node keeps a prefix of its children in index
+    order (its first child, then those before the cut), how many depending on positions only,
+    never on their tokens: what lossless sampling needs. The main path comes first so that a
+    re-rooted predraft keeps its full depth (level order alone would spend the budget on width).
+    """
+    node_depth = depths(tree.parents)
+    kids = children_of(tree)
+    keep: set[int] = set()
+    node = ROOT
+    while kids[node] and len(keep) < budget and node_depth[kids[node][0]] <= depth:
+        node = kids[node][0]
+        keep.add(node)
+    for i, p in enumerate(tree.parents):
+        if len(keep) >= budget:
+            break
+        if node_depth[i] <= depth and (p == ROOT or p in keep):
+            keep.add(i)
+    return sorted(keep)
+
+
+def trim(tree: DraftTree, budget: int, depth: int) -> DraftTree:
+    """The tree cut to at most `budget` nodes and `depth` levels (see `trim_nodes`)."""
+    new_index = {ROOT: ROOT}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for i in trim_nodes(tree, budget, depth):
+        new_index[i] = len(tokens)
+        tokens.append(tree.tokens[i])
+        parents.append(new_index[tree.parents[i]])
+    return _with_q(tree, tokens, parents, new_index)
+
+
+def _with_q(tree: DraftTree, tokens: list[int], parents: list[int], new_index: dict[int, int]) -> DraftTree:
+    """A tree of the kept nodes carrying the q of every kept node that still has children."""
+    expanded = set(parents)
+    q_nodes, q_ids, q_probs = [], [], []
+    for old, ids, probs in zip(tree.q_nodes, tree.q_ids, tree.q_probs):
+        new = new_index.get(old)
+        if new is not None and new in expanded:
+            q_nodes.append(new)
+            q_ids.append(list(ids))
+            q_probs.append(list(probs))
+    return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specmesh.drafters import NgramDrafter, predraft
+from specmesh.drafters import NgramDrafter, pick, predraft
 from specmesh.drafters.base import Children, ContextSession, children_from_probs, grow_tree, grow_trees
 from specmesh.drafters.predraft import (
     DraftAhead,
@@ -672,13 +672,13 @@ def test_output_through_predrafted_trees_is_target_distribution(session, lossles
 
 
 def test_statistical_test_catches_a_wrong_q_after_rerooting(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = predraft.subtree
+    real = pick.subtree
 
     def stale_q(tree: DraftTree, node: int) -> DraftTree:
         sub = real(tree, node)  # keeps the predraft root's q: wrong for the new root's children
         return DraftTree(sub.tokens, sub.parents, [ROOT], [tree.q_ids[0]], [tree.q_probs[0]]) if sub.tokens else sub
 
-    monkeypatch.setattr(predraft, "subtree", stale_q)
+    monkeypatch.setattr(pick, "subtree", stale_q)
     counts, after_hit = _run(TRIALS, seed=1)
     assert _p_values(counts, after_hit)[1] < 1e-6
 

@@ -55,9 +55,10 @@ import torch
 
 from specmesh import planner
 from specmesh.drafters.base import DraftSession, guided, turn_guide
+from specmesh.drafters.pick import next_tree_from, pick_predrafted, useful_depth
 from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Costs, Plan, predraft_shape
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.tree import ROOT, DraftTree, children_of, depths
+from specmesh.tree import ROOT, DraftTree, children_of, main_path, subtree, trim, trim_nodes
 
 __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "SessionClosedError", "main_path",
            "subtree", "trim", "trim_nodes", "predraft_shape", "pick_predrafted", "useful_depth", "next_tree_from",
@@ -66,112 +67,6 @@ PRIOR_OBSERVATIONS = 32.0  # what the drafter's recent sessions weigh in a new s
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
 PROBE_EVERY = 16  # plain steps in a row after which one tree is drafted anyway ...
 MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
-
-
-def main_path(tree: DraftTree) -> list[int]:
-    """Node indices from the root to a leaf, always following the first child (empty tree: [])."""
-    kids = children_of(tree)
-    path: list[int] = []
-    node = ROOT
-    while kids[node]:
-        node = kids[node][0]
-        path.append(node)
-    return path
-
-
-def subtree(tree: DraftTree, node: int) -> DraftTree:
-    """The descendants of `node`, re-rooted: `node` becomes the root (its children get parent -1,
-    its q becomes the root's q); indices keep their relative order; other q entries are dropped."""
-    assert 0 <= node < len(tree), f"node {node} outside a tree of {len(tree)} nodes"
-    new_index = {node: ROOT}
-    tokens: list[int] = []
-    parents: list[int] = []
-    for i in range(node + 1, len(tree)):
-        p = tree.parents[i]
-        if p in new_index:
-            new_index[i] = len(tokens)
-            tokens.append(tree.tokens[i])
-            parents.append(new_index[p])
-    return _with_q(tree, tokens, parents, new_index)
-
-
-def trim_nodes(tree: DraftTree, budget: int, depth: int) -> list[int]:
-    """Indices (ascending) of the nodes `trim` keeps: first the main path down to `depth`, then
-    other nodes in index order, each only if its parent is kept and it is at most `depth` deep,
-    until `budget` nodes are kept.
-
-    The kept set is closed under parents, and each node keeps a prefix of its children in index
-    order (its first child, then those before the cut), how many depending on positions only,
-    never on their tokens: what lossless sampling needs. The main path comes first so that a
-    re-rooted predraft keeps its full depth (level order alone would spend the budget on width).
-    """
-    node_depth = depths(tree.parents)
-    kids = children_of(tree)
-    keep: set[int] = set()
-    node = ROOT
-    while kids[node] and len(keep) < budget and node_depth[kids[node][0]] <= depth:
-        node = kids[node][0]
-        keep.add(node)
-    for i, p in enumerate(tree.parents):
-        if len(keep) >= budget:
-            break
-        if node_depth[i] <= depth and (p == ROOT or p in keep):
-            keep.add(i)
-    return sorted(keep)
-
-
-def trim(tree: DraftTree, budget: int, depth: int) -> DraftTree:
-    """The tree cut to at most `budget` nodes and `depth` levels (see `trim_nodes`)."""
-    new_index = {ROOT: ROOT}
-    tokens: list[int] = []
-    parents: list[int] = []
-    for i in trim_nodes(tree, budget, depth):
-        new_index[i] = len(tokens)
-        tokens.append(tree.tokens[i])
-        parents.append(new_index[tree.parents[i]])
-    return _with_q(tree, tokens, parents, new_index)
-
-
-def _with_q(tree: DraftTree, tokens: list[int], parents: list[int], new_index: dict[int, int]) -> DraftTree:
-    """A tree of the kept nodes carrying the q of every kept node that still has children."""
-    expanded = set(parents)
-    q_nodes, q_ids, q_probs = [], [], []
-    for old, ids, probs in zip(tree.q_nodes, tree.q_ids, tree.q_probs):
-        new = new_index.get(old)
-        if new is not None and new in expanded:
-            q_nodes.append(new)
-            q_ids.append(list(ids))
-            q_probs.append(list(probs))
-    return DraftTree(tokens, parents, q_nodes, q_ids, q_probs)
-
-
-def pick_predrafted(predraft: DraftTree, bonus: int, budget: int, depth: int, min_depth: int = 1) -> DraftTree | None:
-    """The tree under the first root child of `predraft` with token `bonus` that has children,
-    trimmed to the requested shape; None when there is none, or when it is less than `min_depth`
-    deep. `min_depth` > 1 is for greedy decoding only: under sampling, choosing a subtree by its
-    depth would choose it by the draws below it (their scores shape the tree), and verification
-    needs every node's children to be plain draws from its q."""
-    kids = children_of(predraft)
-    for c in kids[ROOT]:
-        if predraft.tokens[c] == bonus and kids[c]:
-            tree = trim(subtree(predraft, c), budget, depth)
-            return tree if max(depths(tree.parents), default=0) >= min_depth else None
-    return None
-
-
-def useful_depth(depth: int, params: SamplingParams) -> int:
-    """The shallowest predrafted tree worth sending instead of a fresh draft: half the requested
-    depth for greedy decoding (a one-token tree answered at once loses to a full tree answered a
-    draft later whenever drafting costs less than verifying: the regime pipelining is for);
-    any depth under sampling (see `pick_predrafted`)."""
-    return (depth + 1) // 2 if params.greedy else 1
-
-
-def next_tree_from(predraft: DraftTree, bonus: int, budget: int, depth: int, params: SamplingParams) -> DraftTree | None:
-    """The tree for the next step that `predraft` gives once `bonus` is known, or None: the one
-    rule the drafter and a verifier taking a pushed predraft both apply, so they pick the same tree.
-    `depth`: the depth planned for that tree (within the caps; a pushed predraft says it)."""
-    return pick_predrafted(predraft, bonus, budget, depth, useful_depth(depth, params))
 
 
 def draft_generator(params: SamplingParams) -> torch.Generator:
