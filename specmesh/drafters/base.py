@@ -105,15 +105,17 @@ class TreeGuide:
         """At most `count` children after `path`, of the drafter's distribution shaped as the
         target's is: penalised, then only the tokens the grammar allows."""
         g, root = self.guide, self.roots[tree]
-        probs = kids.probs
+        probs = None if kids.probs is None else kids.probs.cpu()  # the guide's tensors are on the CPU
+        penalised = False
         if kids.logits is not None and root >= g.start:
             pen = g.penalizer(self.context, kids.logits.shape[0])
             if pen is not None:
                 seq = self.context[g.start:root] + list(path)  # the turn's output up to the node
-                probs = drafter_probs(pen.after(kids.logits[None], [seq]), g.params)[0]
+                probs = drafter_probs(pen.after(kids.logits.cpu()[None], [seq]), g.params)[0]
+                penalised = True
         allowed = None if g.grammar is None else g.grammar.allowed(self.context, root, path)
         if allowed is None:
-            if probs is kids.probs:
+            if not penalised:
                 return kids
             return _pick(probs, count, g.params.greedy, self.generator, masked=True)
         n = allowed.shape[0]
