@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specmesh.text import common_prefix
 from specmesh.tree import ROOT, children_of_parents
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
@@ -176,11 +177,7 @@ class Guide:
             if self.eos is not None and self.eos in seq:  # nothing follows the end of the turn
                 return torch.zeros(self.vocab_size, dtype=torch.bool)
             fed, m = self._fed, self.matcher
-            same = 0
-            for a, b in zip(fed, seq):
-                if a != b:
-                    break
-                same += 1
+            same = common_prefix(fed, seq)
             if len(fed) > same:
                 m.rollback(len(fed) - same)
                 del fed[same:]
