@@ -144,7 +144,7 @@ def serve(cfg: DrafterServiceConfig) -> None:
     print(f"drafter_service listening on {cfg.host}:{port}", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
-        from router.register import advertised_address, start_heartbeat
+        from specmesh.registry import advertised_address, start_heartbeat
 
         beat = start_heartbeat(cfg.redis_url, "drafter", advertised_address(cfg.host, port),
                                load=lambda: {"active_sessions": len(store)})

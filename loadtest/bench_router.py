@@ -34,19 +34,14 @@ import redis
 
 from loadtest.bench_engine import _commit
 from router.config import RouterConfig
-from router.policies import Binding, Endpoint, RequestMeta, Role, get_policy
-from router.state import (
-    Keys,
-    RouterState,
-    binding_from_json,
-    binding_to_json,
-    pack_tokens,
-)
+from router.policies import RequestMeta, get_policy
+from router.state import RouterState
 from router.turns import Router
 from specmesh.client import Client
 from specmesh.launch import start
 from specmesh.loader import bundled_target_path, load_tokenizer
 from specmesh.redis_server import RedisServer, redis_server_binary
+from specmesh.registry import Binding, Endpoint, Keys, Role, binding_from_json, binding_to_json, pack_tokens
 
 PLACEMENT_PREFIX = "bench-router:"   # apart from the live cluster's keys (default prefix)
 FAKE_VERIFIERS = 4

@@ -17,7 +17,7 @@ from specmesh.service import setup_logging
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     setup_logging(cfg.log_level)
-    from router.register import model_name
+    from specmesh.registry import model_name
     from router.server import serve_until_signal
     from router.state import RouterState
     from router.turns import Router

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from router.policies import Overload, PolicyName
-from router.state import DEFAULT_PREFIX, SESSION_TTL_S
+from specmesh.registry import DEFAULT_PREFIX, SESSION_TTL_S
 from specmesh.service import DEFAULT_LOG_LEVEL, add_log_level_arg
 from specmesh.service_token import add_token_arg
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args

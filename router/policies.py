@@ -12,7 +12,8 @@ Pure functions of small dataclasses, one signature, picked by name from `POLICIE
 - `current` is the session's binding, None for a new session or a one-shot request.
 
 A binding whose verifier and drafter are kept is returned unchanged (same epoch); any change bumps
-the epoch. No verifier left -> `NoVerifierError`. This module knows nothing of Redis or gRPC.
+the epoch. No verifier left -> `NoVerifierError`. This module knows nothing of Redis or gRPC: its
+Endpoint, Binding and Role are the registry's data types (specmesh.registry).
 
 Policies (verifiers; drafters are placed the same way by all of them, see `_drafter`):
 - `sticky-least-tokens` (default): keep the bound verifier unless it is gone or overloaded —
@@ -32,21 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-
-class Role(StrEnum):
-    VERIFIER = "verifier"
-    DRAFTER = "drafter"
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A registry entry, as its process last reported it."""
-    address: str                 # host:port the router dials
-    role: Role
-    model: str = ""              # served / drafted-for model name ("" = any)
-    capacity: int = 0            # turns it serves at once (0 = unbounded)
-    active_sessions: int = 0     # sessions it holds (KV caches)
-    kv_tokens: int = 0           # tokens held across those sessions (0 = not reported)
+from specmesh.registry import Binding, Endpoint, Role
 
 
 @dataclass(frozen=True)
@@ -71,13 +58,6 @@ class RequestMeta:
     seq: int = 0                 # a counter shared by routers (round-robin only)
     exclude: frozenset[str] = frozenset()  # addresses that failed during this turn
     overload: Overload = field(default_factory=Overload)
-
-
-@dataclass(frozen=True)
-class Binding:
-    verifier: str
-    drafter: str = ""            # "" = the verifier's own default (or none)
-    epoch: int = 1
 
 
 class PolicyName(StrEnum):

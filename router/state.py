@@ -1,18 +1,12 @@
 """Session and registry state in Redis (redis-py asyncio), shared by every router replica.
 
 No router holds state that another needs: a session alternating between routers sees one binding,
-one history. Keys (`P` = the prefix, default `specmesh:`; session ids and addresses are used as
-they are — Redis keys are binary-safe; session ids are at most 256 characters; with API keys
-configured `{session}` is `<key id>/<session id>`, router.turns.scoped_session):
+one history. The registry and session keys (`P ep:{address}`, `P endpoints`, `P bind:{session}`,
+`P hist:{session}`), their sizes, TTLs and encodings are the registry contract, specmesh.registry,
+which verifiers and drafters write through too (`P` = the prefix, default `specmesh:`; with API
+keys configured `{session}` is `<key id>/<session id>`: `scoped_session`). The router's own
+keys:
 
-- `P ep:{address}` (string, ~200 B, TTL = heartbeat TTL, default 6 s, beat every 2 s): JSON
-  Endpoint {address, role, model, capacity, active_sessions, kv_tokens}.
-- `P endpoints` (zset, no TTL): index of registered addresses; members whose `ep:` key expired
-  are pruned on read.
-- `P bind:{session}` (string, ~100 B, TTL = session TTL, default 1 h, refreshed every turn):
-  JSON {"verifier", "drafter", "epoch"}.
-- `P hist:{session}` (string, 4 B/token: 8k tokens = 32 KiB; session TTL, refreshed every turn):
-  the token history as packed little-endian int32.
 - `P load:{address}` (hash, TTL 10 min refreshed on every change): `turns`, `tokens` = turns in
   flight and their context tokens, summed over all routers.
 - `P rr` (string, no TTL): round-robin counter (INCR).
@@ -38,65 +32,45 @@ past it); a session already in it always is. CloseSession removes it from the ca
 
 After Redis lost its data the verifiers' copies are authoritative: each verifier's heartbeat,
 finding its own `ep:` entry gone, first writes `bind:` and `hist:` back for every session it holds
-(only where no binding exists: `republish`), then registers; a router that finds the generation
-changed waits for the verifiers it knew to register again before placing an unbound session
-(router.turns). Sessions are bound to a verifier, so with several verifiers each session comes
-back from the one that holds it.
+(only where no binding exists: specmesh.registry `Heartbeat.republish`), then registers; a
+router that finds the generation changed waits for the verifiers it knew to register again before
+placing an unbound session (router.turns). Sessions are bound to a verifier, so with several
+verifiers each session comes back from the one that holds it.
 
 Connections: redis-py retries a command on a connection or timeout error with backoff
-(`retry_options`: a restarted Redis costs reconnecting, not a request) and pings a connection idle for
-`HEALTH_CHECK_S` before use. Any Redis failure left after that is raised as `StateUnavailable`
-(UNAVAILABLE / 503 at the edge).
+(specmesh.registry `retry_options`: a restarted Redis costs reconnecting, not a request) and
+pings a connection idle for `HEALTH_CHECK_S` before use. Any Redis failure left after that is
+raised as `StateUnavailable` (UNAVAILABLE / 503 at the edge).
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
 
-import numpy as np
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry as SyncRetry
 
 from router.errors import Kind, RouterError
-from router.policies import Binding, Endpoint, Load, Role
+from router.policies import Load
+from specmesh.registry import (
+    DEFAULT_PREFIX,
+    SESSION_TTL_S,
+    TOKEN,
+    Binding,
+    Endpoint,
+    Keys,
+    binding_from_json,
+    binding_to_json,
+    endpoint_from_json,
+    endpoint_to_json,
+    pack_tokens,
+    retry_options,
+    unpack_tokens,
+)
 
-DEFAULT_PREFIX = "specmesh:"
 LOAD_TTL_S = 600.0
-SESSION_TTL_S = 3600.0  # binding and history live this long after a session's last turn (default)
-_TOKEN = np.dtype("<i4")
-RETRIES, RETRY_BASE_S, RETRY_CAP_S = 8, 0.02, 1.0  # ~4 s of attempts: a restart, not an outage
-HEALTH_CHECK_S = 10
-
-
-def retry_options(sync: bool = False) -> dict:
-    """redis-py client options of every specmesh client (router: asyncio; heartbeats: `sync`):
-    retry a command after a connection or timeout error (a restarted server, a stale pooled
-    connection)."""
-    retry = SyncRetry if sync else AsyncRetry
-    return {"retry": retry(ExponentialWithJitterBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), RETRIES),
-            "retry_on_error": [RedisConnectionError, RedisTimeoutError],
-            "health_check_interval": HEALTH_CHECK_S}
-
-
-# KEYS = binding, history; ARGV = binding JSON, packed tokens, TTL ms. A verifier's copy of a
-# session, written back only where Redis holds no binding for it (after Redis lost its data).
-REPUBLISH_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-return 1
-"""
 
 # KEYS[1] = a key's session set; ARGV = session id, now ms, TTL ms, limit. Returns {admitted 0/1,
 # live sessions after the call}.
@@ -131,70 +105,9 @@ class StateUnavailable(RouterError):
         super().__init__(Kind.UNAVAILABLE, f"redis: unavailable ({type(cause).__name__}: {cause})")
 
 
-@dataclass(frozen=True)
-class Keys:
-    prefix: str = DEFAULT_PREFIX
-
-    def endpoint(self, address: str) -> str:
-        return f"{self.prefix}ep:{address}"
-
-    @property
-    def index(self) -> str:
-        return f"{self.prefix}endpoints"
-
-    def binding(self, session_id: str) -> str:
-        return f"{self.prefix}bind:{session_id}"
-
-    def history(self, session_id: str) -> str:
-        return f"{self.prefix}hist:{session_id}"
-
-    def load(self, address: str) -> str:
-        return f"{self.prefix}load:{address}"
-
-    @property
-    def round_robin(self) -> str:
-        return f"{self.prefix}rr"
-
-    def key_sessions(self, key_id: str) -> str:
-        return f"{self.prefix}keysess:{key_id}"
-
-    @property
-    def generation(self) -> str:
-        return f"{self.prefix}gen"
-
-
-def endpoint_to_json(e: Endpoint) -> str:
-    d = asdict(e)
-    d["role"] = e.role.value
-    return json.dumps(d, separators=(",", ":"))
-
-
-def endpoint_from_json(raw: str | bytes) -> Endpoint:
-    d = json.loads(raw)
-    return Endpoint(address=d["address"], role=Role(d["role"]), model=d.get("model", ""),
-                    capacity=int(d.get("capacity", 0)), active_sessions=int(d.get("active_sessions", 0)),
-                    kv_tokens=int(d.get("kv_tokens", 0)))
-
-
-def binding_to_json(b: Binding) -> str:
-    return json.dumps({"verifier": b.verifier, "drafter": b.drafter, "epoch": b.epoch}, separators=(",", ":"))
-
-
-def binding_from_json(raw: str | bytes) -> Binding:
-    d = json.loads(raw)
-    return Binding(d["verifier"], d.get("drafter", ""), int(d["epoch"]))
-
-
-def pack_tokens(ids: Sequence[int]) -> bytes:
-    return np.asarray(ids, dtype=_TOKEN).tobytes()
-
-
-def unpack_tokens(data: bytes | None) -> list[int]:
-    return np.frombuffer(data, dtype=_TOKEN).tolist() if data else []
-
-
 class RouterState:
-    """Typed operations on the keys above. Every method raises StateUnavailable on Redis errors."""
+    """Typed operations on the registry's keys and the router's own. Every method raises
+    StateUnavailable on Redis errors."""
 
     def __init__(self, client: aioredis.Redis, prefix: str = DEFAULT_PREFIX, session_ttl_s: float = SESSION_TTL_S) -> None:
         self.r = client
@@ -305,7 +218,7 @@ class RouterState:
 
     async def history_length(self, session_id: str) -> int:
         try:
-            return (await self.r.strlen(self.keys.history(session_id))) // _TOKEN.itemsize
+            return (await self.r.strlen(self.keys.history(session_id))) // TOKEN.itemsize
         except RedisError as exc:
             raise StateUnavailable(exc) from exc
 

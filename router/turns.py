@@ -38,10 +38,10 @@ from router.config import RouterConfig
 from router.errors import Kind, RouterError, client_fault, field_of, invalid
 from router.metrics import Metrics
 from router.policies import Binding, NoVerifierError, PolicyName, RequestMeta, Role, get_policy
-from router.register import INTERVAL_S as HEARTBEAT_INTERVAL_S
-from router.register import TTL_S as HEARTBEAT_TTL_S
 from router.state import RouterState, StateUnavailable
 from specmesh.limits import MAX_STOP_STRINGS
+from specmesh.registry import INTERVAL_S as HEARTBEAT_INTERVAL_S
+from specmesh.registry import TTL_S as HEARTBEAT_TTL_S
 from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, eos_ids, first_stop
 from specmesh.tls import peer_channel
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc

@@ -105,6 +105,17 @@ def test_no_import_circle():
     assert cycles(graph) == []
 
 
+def test_the_core_imports_no_service():
+    """specmesh/ is what the router and the services build on, never the reverse: the registry
+    contract the services heartbeat through (specmesh.registry) included."""
+    graph = import_graph()
+    assert "specmesh.registry" in graph["router.state"], "the graph was not read"
+    services = set(PACKAGES) - {"specmesh"}
+    upward = {name: sorted(d for d in deps if d.split(".")[0] in services)
+              for name, deps in graph.items() if name.split(".")[0] == "specmesh"}
+    assert {name: deps for name, deps in upward.items() if deps} == {}
+
+
 def test_the_cycle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
           f"pipelining {cfg.pipelining})", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
-        from router.register import advertised_address, model_name, start_heartbeat
+        from specmesh.registry import advertised_address, model_name, start_heartbeat
 
         beat = start_heartbeat(cfg.redis_url, "verifier", advertised_address(cfg.host, port), model_name(path),
                                load=lambda: {"active_sessions": len(verifier.sessions)}, held=verifier.sessions.held)

@@ -61,8 +61,7 @@ class DrafterGate:
             hit = self._seen.get(address)
         if hit is None or now - hit[0] > self.CACHE_S:
             import redis
-            from router.policies import Role
-            from router.register import registered_role
+            from specmesh.registry import Role, registered_role
 
             try:
                 if self._client is None:

@@ -83,7 +83,7 @@ class SessionStore:
 
     def held(self) -> list[tuple[str, list[int], str]]:
         """(session id, tokens, drafter) of each named session holding a context with no turn in
-        progress: what the heartbeat writes back to Redis after Redis lost it (router.register)."""
+        progress: what the heartbeat writes back to Redis after Redis lost it (specmesh.registry)."""
         with self._lock:
             sessions = list(self._sessions.items())
         out = []

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from router.state import Keys
 from specmesh.client import Client
+from specmesh.registry import Keys
 
 ray = pytest.importorskip("ray", reason="ray is not installed: `pip install ray` to run deploy/ray's e2e test")
 

@@ -9,8 +9,7 @@ import time
 import pytest
 import redis
 
-from router.register import registered_role
-from router.state import Role
+from specmesh.registry import Role, registered_role
 from tests.drafter_service.test_drafter_service import Service
 
 pytestmark = pytest.mark.e2e
@@ -50,6 +49,6 @@ def svc_open():
 
 
 def _endpoint(client: redis.Redis, address: str):
-    from router.state import DEFAULT_PREFIX, Keys, endpoint_from_json
+    from specmesh.registry import DEFAULT_PREFIX, Keys, endpoint_from_json
 
     return endpoint_from_json(client.get(Keys(DEFAULT_PREFIX).endpoint(address)))

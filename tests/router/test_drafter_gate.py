@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from router.policies import Endpoint, Role
-from router.register import Heartbeat
 from specmesh.redis_server import free_port
+from specmesh.registry import Endpoint, Heartbeat, Role
 from verifier_service.servicer import DrafterGate
 
 

@@ -6,16 +6,14 @@ import pytest
 
 from router.policies import (
     POLICIES,
-    Binding,
-    Endpoint,
     Load,
     NoVerifierError,
     Overload,
     PolicyName,
     RequestMeta,
-    Role,
     get_policy,
 )
+from specmesh.registry import Binding, Endpoint, Role
 
 V, D = Role.VERIFIER, Role.DRAFTER
 A, B, C = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"

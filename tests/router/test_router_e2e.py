@@ -21,11 +21,10 @@ import openai
 import pytest
 import redis
 
-from router.policies import Binding
-from router.state import Keys, binding_from_json, binding_to_json, unpack_tokens
 from router.turns import key_id, scoped_session
 from specmesh.client import AsyncClient, Client, SpecmeshError
 from specmesh.loader import bundled_target_path, load_tokenizer
+from specmesh.registry import Binding, Keys, binding_from_json, binding_to_json, unpack_tokens
 from specmesh.v1 import router_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.e2e.procs import Proc, start
 

@@ -1,5 +1,6 @@
 """Router state on a real redis-server: registry TTL expiry, first-writer-wins bindings, token
-history, load counters, the heartbeat thread, and clear errors while Redis is down."""
+history, load counters, and clear errors while Redis is down (the heartbeat that writes the
+registry: tests/test_registry.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
-from router.policies import Binding, Endpoint, Load, Role
-from router.register import Heartbeat, model_name
-from router.state import RouterState, StateUnavailable, pack_tokens, unpack_tokens
+from router.policies import Load
+from router.state import RouterState, StateUnavailable
 from specmesh.redis_server import free_port
+from specmesh.registry import Binding, Endpoint, Role
 from tests.router.redis_proc import RedisServer, redis_server_binary
 
 
@@ -123,12 +123,6 @@ def test_sessions_per_key_lapse_with_the_session_ttl(redis_server):
     assert not exists          # the set expires with its last session
 
 
-def test_pack_tokens_is_little_endian_int32():
-    assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
-    assert unpack_tokens(pack_tokens([5, 0, 123456])) == [5, 0, 123456]
-    assert unpack_tokens(None) == []
-
-
 def test_load_counters_add_up_across_routers(redis_server):
     async def body(s: RouterState):
         other = RouterState(s.r, s.keys.prefix)  # a second router on the same keys
@@ -144,53 +138,6 @@ def test_load_counters_add_up_across_routers(redis_server):
     assert mid == {"a:1": Load(2, 1500), "d:1": Load(1, 1000), "z:1": Load(0, 0)}
     assert end == {"a:1": Load(0, 0)}
     assert seqs[1] == seqs[0] + 1 and seqs[2] == seqs[0] + 2
-
-
-def test_heartbeat_registers_refreshes_and_deregisters(redis_server):
-    prefix = f"hb-{uuid.uuid4().hex[:8]}:"
-    sessions = [3]
-    hb = Heartbeat(redis.Redis.from_url(redis_server.url), Endpoint("v:1", Role.VERIFIER, model="m"),
-                   load=lambda: {"active_sessions": sessions[0]}, interval_s=0.1, ttl_s=0.5, prefix=prefix).start()
-
-    async def endpoints(s: RouterState):
-        return await RouterState(s.r, prefix).endpoints()
-    try:
-        time.sleep(0.3)
-        assert run(endpoints, redis_server.url) == [Endpoint("v:1", Role.VERIFIER, model="m", active_sessions=3)]
-        sessions[0] = 5
-        time.sleep(0.8)  # longer than the TTL: only the refreshes keep it registered
-        assert run(endpoints, redis_server.url)[0].active_sessions == 5
-    finally:
-        hb.stop()
-    assert run(endpoints, redis_server.url) == []
-
-
-def test_a_verifier_writes_back_its_sessions_when_redis_lost_them(redis_server):
-    """The heartbeat that finds its own entry gone writes each held session's binding and history
-    back before registering, but never over a binding Redis still has."""
-    prefix = f"wb-{uuid.uuid4().hex[:8]}:"
-    held = [("k/a", [5, 6, 7], ""), ("b", [1, 2], "d:9")]
-    client = redis.Redis.from_url(redis_server.url)
-    hb = Heartbeat(client, Endpoint("v:1", Role.VERIFIER), held=lambda: held, interval_s=0.1, ttl_s=0.5,
-                   prefix=prefix, session_ttl_s=60)
-
-    async def sessions(s: RouterState):
-        st = RouterState(s.r, prefix)
-        return [await st.session(sid) for sid in ("k/a", "b")]
-    try:
-        run(lambda s: RouterState(s.r, prefix).bind("b", Binding("other:1", "", 4), None), redis_server.url)
-        hb.beat()  # first beat: no entry yet, so the held sessions Redis lacks are written
-        assert run(sessions, redis_server.url) == [(Binding("v:1", "", 1), [5, 6, 7]), (Binding("other:1", "", 4), [])]
-        assert 0 < client.pttl(f"{prefix}hist:k/a") <= 60_000
-        client.delete(f"{prefix}bind:k/a", f"{prefix}hist:k/a")
-        hb.beat()  # registered: nothing is written back
-        assert run(sessions, redis_server.url)[0] == (None, [])
-        client.delete(f"{prefix}ep:v:1", f"{prefix}bind:b")
-        hb.beat()  # the entry is gone again (Redis lost its data): both come back
-        assert run(sessions, redis_server.url) == [(Binding("v:1", "", 1), [5, 6, 7]), (Binding("v:1", "d:9", 1), [1, 2])]
-    finally:
-        hb.deregister()
-        client.close()
 
 
 def test_generation_survives_until_redis_loses_its_data(tmp_path):
@@ -212,11 +159,6 @@ def test_generation_survives_until_redis_loses_its_data(tmp_path):
     finally:
         server.stop()
     assert first == again and after != first
-
-
-def test_model_name_of_paths():
-    assert model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
-    assert model_name("/models/Llama-3.1-8B") == "Llama-3.1-8B"
 
 
 def test_redis_down_is_a_clear_unavailable_error_and_recovers(tmp_path):
@@ -243,40 +185,6 @@ def test_redis_down_is_a_clear_unavailable_error_and_recovers(tmp_path):
         server.stop()
     assert all(e.message.startswith("redis: unavailable") for e in errors)
     assert after == (None, []) and rebound == (Binding("b:1"), [])
-
-
-def test_sidecar_heartbeats_only_while_the_endpoint_is_serving(redis_server):
-    from concurrent import futures
-
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from router.register import _health_probe
-
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    hs = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    hs.set("", health_pb2.HealthCheckResponse.SERVING)
-    prefix = f"side-{uuid.uuid4().hex[:8]}:"
-    hb = Heartbeat(redis.Redis.from_url(redis_server.url), Endpoint(address, Role.DRAFTER), interval_s=0.1,
-                   ttl_s=0.4, prefix=prefix, alive=_health_probe(address, 0.5)).start()
-
-    async def addresses(s: RouterState):
-        return [e.address for e in await RouterState(s.r, prefix).endpoints()]
-    try:
-        time.sleep(0.3)
-        assert run(addresses, redis_server.url) == [address]
-        hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        time.sleep(0.8)
-        assert run(addresses, redis_server.url) == []
-        hs.set("", health_pb2.HealthCheckResponse.SERVING)
-        time.sleep(0.4)
-        assert run(addresses, redis_server.url) == [address]
-    finally:
-        hb.stop()
-        server.stop(0)
 
 
 def test_password_protected_redis(tmp_path):

@@ -14,9 +14,9 @@ import pytest
 
 from router.config import RouterConfig
 from router.errors import Kind, RouterError
-from router.policies import Binding, Endpoint, Role
 from router.state import RouterState
 from router.turns import Delta, Done, Router, TurnRequest
+from specmesh.registry import Binding, Endpoint, Role
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
 VOCAB = 26
