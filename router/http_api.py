@@ -311,7 +311,7 @@ class OpenAIApi:
 
     async def _body(self, request: web.Request, endpoint: str) -> tuple[dict, str]:
         """The request's JSON body, checked (`endpoint`: completions | chat), and the caller's API key id."""
-        key = self.router.authenticate(request.headers.get("Authorization"))
+        key = self.router.auth.authenticate(request.headers.get("Authorization"))
         limit = self.router.cfg.max_request_bytes
         if (request.content_length or 0) > limit:
             raise invalid("request_bytes", f"{request.content_length} bytes exceed max_request_bytes {limit}")
@@ -374,9 +374,9 @@ class OpenAIApi:
         structured = _structured(body)
         if structured is not None:
             template.structured.CopyFrom(structured)
-        return TurnRequest(session_id=session_id, ids=ids, max_tokens=max_tokens,
-                           stops=r.stops(stops, stop_ids, ignore_eos), template=template, full_context=True,
-                           key_id=key)
+        return TurnRequest(session_id=session_id, ids=ids,
+                           stop=r.stop_conditions(max_tokens, stops, stop_ids, ignore_eos), template=template,
+                           full_context=True, key_id=key)
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -515,7 +515,7 @@ class OpenAIApi:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        self.router.authenticate(request.headers.get("Authorization"))
+        self.router.auth.authenticate(request.headers.get("Authorization"))
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "specmesh", "verifiers": v, "drafters": d}
                 for m, v, d in await self.router.models()]
         return web.json_response({"object": "list", "data": data})

@@ -32,7 +32,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def to_turn(self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> TurnRequest:
         r = self.router
-        key = r.authenticate(_metadata(context, "authorization"))
+        key = r.auth.authenticate(_metadata(context, "authorization"))
         session_id = request.session_id or _metadata(context, "x-session-id") or ""
         r.check_request(request.ByteSize(), request.max_tokens, session_id, len(request.stop))
         if request.drafter_address:
@@ -54,8 +54,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             template.structured.CopyFrom(request.structured)
         remaining = context.time_remaining()
         return TurnRequest(
-            session_id=session_id, ids=ids, max_tokens=request.max_tokens,
-            stops=r.stops(tuple(request.stop), tuple(request.stop_token_ids), request.ignore_eos),
+            session_id=session_id, ids=ids,
+            stop=r.stop_conditions(request.max_tokens, tuple(request.stop), tuple(request.stop_token_ids),
+                                   request.ignore_eos),
             template=template, deadline=None if remaining is None else time.monotonic() + remaining, key_id=key)
 
     async def Generate(self, request, context) -> AsyncIterator[verifier_pb2.GenerateResponse]:
@@ -83,7 +84,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
         try:
-            self.router.authenticate(_metadata(context, "authorization"))
+            self.router.auth.authenticate(_metadata(context, "authorization"))
             models = await self.router.models()
         except RouterError as e:
             await context.abort(e.grpc_status, e.message)
@@ -92,7 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def CloseSession(self, request, context) -> verifier_pb2.CloseSessionResponse:
         try:
-            key = self.router.authenticate(_metadata(context, "authorization"))
+            key = self.router.auth.authenticate(_metadata(context, "authorization"))
             if not request.session_id:
                 raise invalid("session_id", "required")
             existed = await self.router.close_session(request.session_id, key)

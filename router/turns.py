@@ -23,8 +23,6 @@ verifier keeps the KV of the prefix both share (a regenerated answer, the next o
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +32,8 @@ from enum import Enum
 
 import grpc
 
+from router.auth import Auth, scoped_session
+from router.channels import VerifierChannels
 from router.config import RouterConfig
 from router.errors import Kind, RouterError, client_fault, field_of, invalid
 from router.metrics import Metrics
@@ -42,47 +42,25 @@ from router.state import RouterState, StateUnavailable
 from specmesh.limits import MAX_STOP_STRINGS
 from specmesh.registry import INTERVAL_S as HEARTBEAT_INTERVAL_S
 from specmesh.registry import TTL_S as HEARTBEAT_TTL_S
-from specmesh.text import Stops, TextStream, TokenPieces, common_prefix, eos_ids, first_stop
-from specmesh.tls import peer_channel
-from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specmesh.text import StopConditions, TextStream, TokenPieces, common_prefix, eos_ids, first_stop
+from specmesh.v1 import common_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
 
 MAX_SESSION_ID = 256  # the verifier allows 320: room for scoped_session's key prefix
 BUSY_BACKOFF_S = (0.05, 0.1, 0.2, 0.4, 0.8)
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
-
-
-def key_id(api_key: str) -> str:
-    """The id quotas count an API key under (and Redis keys name): never the key itself."""
-    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
-
-
-def scoped_session(key: str, session_id: str) -> str:
-    """The name a session has in Redis and on verifiers: a client's session ids are its own.
-
-    With API keys configured, session "s" of key A and session "s" of key B are two sessions
-    ("<key id A>/s", "<key id B>/s"): a key can neither read nor extend another key's context.
-    Without keys (key "") the id is used as is. One-shot requests ("") stay one-shot."""
-    return f"{key}/{session_id}" if key and session_id else session_id
 
 
 @dataclass(frozen=True)
 class TurnRequest:
     session_id: str                      # "" = one-shot
     ids: list[int]                       # new tokens, or the whole context (full_context)
-    max_tokens: int
-    stops: Stops
+    stop: StopConditions                 # max_tokens, stop ids (EOS unless ignore_eos), stop strings
     # sampling, stop, stop_token_ids, ignore_eos, speculation: forwarded to the verifier as they are
     template: verifier_pb2.GenerateRequest = field(default_factory=verifier_pb2.GenerateRequest)
     full_context: bool = False
     deadline: float | None = None        # time.monotonic() by which the turn must end
-    key_id: str = ""                     # the caller's API key id (Router.authenticate); "" = no auth
+    key_id: str = ""                     # the caller's API key id (Auth.authenticate); "" = no auth
 
 
 @dataclass(frozen=True)
@@ -136,13 +114,16 @@ class _Turn:
 
 
 class Router:
-    """The router's core: configuration, Redis state, the tokenizer, channels to verifiers."""
+    """The router's core: configuration, Redis state, the tokenizer, API keys (`auth`), channels
+    to verifiers (`channels`)."""
 
     def __init__(self, cfg: RouterConfig, state: RouterState, tokenizer, model_name: str,
                  metrics: Metrics | None = None) -> None:
         self.cfg, self.state, self.tokenizer, self.model_name = cfg, state, tokenizer, model_name
         self.pieces = TokenPieces(tokenizer)  # token id -> (text, bytes), for logprobs
         self.metrics = metrics or Metrics()
+        self.auth = Auth.from_config(cfg)
+        self.channels = VerifierChannels(cfg.peer_tls)
         self.policy = get_policy(cfg.policy)
         self.eos_ids = eos_ids(tokenizer)
         # the strings the tokenizer turns into control tokens (<|im_start|>, ...): in chat content
@@ -150,7 +131,6 @@ class Router:
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.control_strings = sorted({t.content for t in added.values() if getattr(t, "special", False)}
                                       | set(getattr(tokenizer, "all_special_tokens", []) or []))
-        self._channels: dict[str, grpc.aio.Channel] = {}
         # after Redis lost its data (router.state): the generation last seen, the verifiers live at
         # the last placement, and those still to register again (with their sessions) since the loss
         self._gen: str | None = None
@@ -184,19 +164,6 @@ class Router:
         except (ValueError, TypeError, KeyError) as e:
             raise invalid("messages", f"cannot apply the chat template ({e})") from e
 
-    def authenticate(self, authorization: str | None) -> str:
-        """`Bearer KEY` with a configured key, or no keys configured; else UNAUTHENTICATED.
-        Returns the key's id (key_id; "" without keys): what quotas are counted under."""
-        if not self.cfg.api_keys:
-            return ""
-        scheme, _, key = (authorization or "").partition(" ")
-        key = key.strip()
-        ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.encode(), k.encode())
-                                                for k in self.cfg.api_keys)
-        if not ok:
-            raise RouterError(Kind.UNAUTHENTICATED, "authorization: a valid API key is required (Bearer KEY)")
-        return key_id(key)
-
     def check_request(self, size_bytes: int, max_tokens: int, session_id: str, stop_strings: int,
                       max_tokens_field: str = "max_tokens") -> None:
         """The limits every request is checked against, whatever its front door (`max_tokens_field`:
@@ -210,8 +177,10 @@ class Router:
         if stop_strings > MAX_STOP_STRINGS:
             raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings")
 
-    def stops(self, strings: tuple[str, ...], ids: tuple[int, ...], ignore_eos: bool) -> Stops:
-        return Stops(frozenset(ids) | (frozenset() if ignore_eos else self.eos_ids), strings)
+    def stop_conditions(self, max_tokens: int, strings: tuple[str, ...], ids: tuple[int, ...],
+                        ignore_eos: bool) -> StopConditions:
+        """A turn's stops as the request asks: the tokenizer's EOS is a stop id unless `ignore_eos`."""
+        return StopConditions(max_tokens, frozenset(ids) | (frozenset() if ignore_eos else self.eos_ids), strings)
 
     # -- one turn ------------------------------------------------------------------------------
     async def run(self, req: TurnRequest) -> AsyncIterator[Delta | Done]:
@@ -237,7 +206,7 @@ class Router:
         if sid and binding is None and await self._after_loss():
             binding, history = await self.state.session(sid)  # written back by the verifier holding it
         # 1. what the verifier must hold before generating: `base` (kept history) + `new`
-        t = _Turn(req, sid, base=history, new=req.ids, text=TextStream(self.decode, req.stops.strings),
+        t = _Turn(req, sid, base=history, new=req.ids, text=TextStream(self.decode, req.stop.stop_strings),
                   history=_History.OK if not sid else _History.NONE)  # one-shot turns keep nothing
         if req.full_context and req.template.prompt_logprobs:
             t.base, t.replace = [], True  # every prompt token's logprob: the whole context is prefilled
@@ -280,18 +249,14 @@ class Router:
                 await self._touch(req)
 
     async def _admit(self, req: TurnRequest) -> bool:
-        """Sessions per API key: a session the key does not hold yet is refused (EXHAUSTED, final)
-        when the key already holds `max_sessions_per_key` live ones. One-shot requests (no
-        session id) keep no state and are not counted. Whether the session is counted."""
-        limit = self.cfg.max_sessions_per_key
-        if not (limit and req.session_id and req.key_id):
+        """Sessions per API key (router.auth): a session the key does not hold yet is refused when
+        the key already holds `max_sessions_per_key` live ones (counted in Redis, across routers).
+        Whether the session is counted."""
+        if not self.auth.counts(req.key_id, req.session_id):
             return False
-        admitted, live = await self.state.admit_session(req.key_id, req.session_id, limit)
+        admitted, live = await self.state.admit_session(req.key_id, req.session_id, self.auth.max_sessions_per_key)
         if not admitted:
-            raise RouterError(Kind.EXHAUSTED, f"max_sessions_per_key: this API key already has {live} live sessions "
-                                              f"(limit {limit}); reuse one, close one (CloseSession) or let one "
-                                              f"expire ({self.cfg.session_ttl_s:g} s after its last turn)",
-                              code="max_sessions_per_key", final=True)
+            raise self.auth.over_quota(live)
         return True
 
     async def _touch(self, req: TurnRequest) -> None:
@@ -310,7 +275,7 @@ class Router:
         self.metrics.in_flight += 1
         call = None
         try:
-            call = self._stub(binding.verifier).Generate(
+            call = self.channels.stub(binding.verifier).Generate(
                 upstream, timeout=None if req.deadline is None else max(0.001, req.deadline - time.monotonic()))
             async for resp in call:
                 if t.history == _History.NONE:  # the verifier accepted the turn: record its prompt
@@ -330,12 +295,12 @@ class Router:
                 if t.finish is not None and ids:  # the verifier went past a stop it could not see
                     return
                 start = len(t.produced)
-                cut = await self._text_work(t, first_stop, t.produced + ids, start, req.stops.ids, req.stops.strings,
-                                            self.decode)
+                cut = await self._text_work(t, first_stop, t.produced + ids, start, req.stop.stop_ids,
+                                            req.stop.stop_strings, self.decode)
                 if cut is not None:
                     ids, t.finish = ids[: cut - start], "stop"
-                elif start + len(ids) >= req.max_tokens:
-                    ids, t.finish = ids[: req.max_tokens - start], "length"
+                elif start + len(ids) >= req.stop.max_new_tokens:
+                    ids, t.finish = ids[: req.stop.max_new_tokens - start], "length"
                 if not ids:
                     continue
                 if t.history == _History.OK and sid:
@@ -365,14 +330,14 @@ class Router:
         """`fn(*args)`: decoding and stop matching of the turn's tokens. With stop strings (up to the
         request's byte limit long) it runs in a worker thread, so no request's text work holds the
         event loop that serves every other request and /health; without, it is a few microseconds."""
-        return await asyncio.to_thread(fn, *args) if t.req.stops.strings else fn(*args)
+        return await asyncio.to_thread(fn, *args) if t.req.stop.stop_strings else fn(*args)
 
     def _upstream(self, t: _Turn, binding: Binding) -> verifier_pb2.GenerateRequest:
         up = verifier_pb2.GenerateRequest()
         up.CopyFrom(t.req.template)
         up.session_id = t.sid
         up.drafter_address = binding.drafter
-        up.max_tokens = t.req.max_tokens - len(t.produced)
+        up.max_tokens = t.req.stop.max_new_tokens - len(t.produced)
         if t.produced or t.prompt_logprobs_sent:
             up.prompt_logprobs = False  # the input's logprobs went out with the first attempt
         if t.produced:  # resume mid-turn: everything so far is history, nothing new
@@ -495,19 +460,11 @@ class Router:
     async def _forget_endpoint(self, address: str) -> None:
         """A verifier that refused the connection leaves placement now, not at its heartbeat TTL;
         if it is alive after all, its next heartbeat registers it again."""
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            await ch.close()
+        await self.channels.forget(address)
         try:
             await self.state.deregister(address)
         except StateUnavailable as e:
             log.warning("deregister %s: %s", address, e)
-
-    def _stub(self, address: str) -> verifier_pb2_grpc.VerifierStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = peer_channel(address, self.cfg.peer_tls, CHANNEL_OPTIONS, aio=True)
-        return verifier_pb2_grpc.VerifierStub(ch)
 
     # -- other operations ----------------------------------------------------------------------
     async def models(self) -> list[tuple[str, int, int]]:
@@ -516,14 +473,15 @@ class Router:
         return [(self.model_name, sum(e.role == Role.VERIFIER for e in eps), sum(e.role == Role.DRAFTER for e in eps))]
 
     async def close_session(self, session_id: str, key_id: str = "") -> bool:
-        if key_id and self.cfg.max_sessions_per_key:
+        if self.auth.counts(key_id, session_id):
             await self.state.release_session(key_id, session_id)
         sid = scoped_session(key_id, session_id)
         binding = await self.state.forget(sid)
         if binding is None:
             return False
         try:
-            await self._stub(binding.verifier).CloseSession(verifier_pb2.CloseSessionRequest(session_id=sid), timeout=5)
+            stub = self.channels.stub(binding.verifier)
+            await stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id=sid), timeout=5)
         except grpc.aio.AioRpcError as e:  # its KV cache goes with LRU eviction instead
             log.warning("close session %r on %s: %s", sid, binding.verifier, e.code().name)
         return True
@@ -531,7 +489,5 @@ class Router:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self.channels.close()
         await self.state.close()

@@ -30,7 +30,7 @@ from specmesh.model import Transformer
 from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES, check_ids
 from specmesh.logprobs import TokenLogprob, check_logprobs
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
-from specmesh.text import first_stop
+from specmesh.text import StopConditions, first_stop  # StopConditions: in generate's signature, so also here
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
 
 if TYPE_CHECKING:
@@ -224,21 +224,6 @@ class GenerationResult:
     finish_reason: str = "length"  # "stop" (eos, stop id or stop string) | "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when asked for
-
-
-@dataclass(frozen=True)
-class StopConditions:
-    max_new_tokens: int = 128
-    stop_ids: frozenset[int] = frozenset()  # eos ids included by the caller
-    stop_strings: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_new_tokens}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop: stop strings must be non-empty")
-
-
 
 
 class TreeSource(Protocol):

@@ -1,10 +1,11 @@
 """Stop rules and visible text of a turn, from token ids alone (pure; `decode` is passed in).
 
-One set of rules for the engine, the verifier, the router and the CLI: a stop fires at the first
-stop id, or at the first token whose trailing window of `STOP_WINDOW` tokens decodes to text
-containing a stop string; the shown text is cut before a stop string (as OpenAI-style APIs return
-it), and while streaming an incomplete UTF-8 character and any tail that could still grow into a
-stop string are held back. The router decodes a turn's tokens itself (TextStream) rather than
+One set of rules, and one type saying what they apply (`StopConditions`), for the engine, the
+verifier, the router and the CLI: a turn ends after its max tokens or at a stop; a stop fires at
+the first stop id, or at the first token whose trailing window of `STOP_WINDOW` tokens decodes to
+text containing a stop string; the shown text is cut before a stop string (as OpenAI-style APIs
+return it), and while streaming an incomplete UTF-8 character and any tail that could still grow
+into a stop string are held back. The router decodes a turn's tokens itself (TextStream) rather than
 forwarding the verifier's text deltas, so that a turn that moved to another verifier mid-stream
 still reads as one text, and a stop that straddles the move is still seen.
 """
@@ -20,9 +21,17 @@ Decode = Callable[[list[int]], str]
 
 
 @dataclass(frozen=True)
-class Stops:
-    ids: frozenset[int] = frozenset()          # stop token ids, EOS included unless ignore_eos
-    strings: tuple[str, ...] = ()
+class StopConditions:
+    """When a turn ends: after `max_new_tokens` new tokens, or at a stop (`first_stop`)."""
+    max_new_tokens: int = 128
+    stop_ids: frozenset[int] = frozenset()  # EOS included by the caller (unless ignore_eos)
+    stop_strings: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop: stop strings must be non-empty")
 
 
 def eos_ids(tokenizer) -> frozenset[int]:

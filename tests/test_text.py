@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.text import Stops, TextStream, first_stop, visible
+from specmesh.text import StopConditions, TextStream, first_stop, visible
 
 
 def letters(ids: list[int]) -> str:
@@ -12,14 +12,14 @@ def letters(ids: list[int]) -> str:
 
 
 @pytest.mark.parametrize("tokens, start, stops, expected", [
-    ([0, 1, 2, 3], 0, Stops(ids=frozenset({2})), 3),           # stop id: kept, cut after it
-    ([0, 1, 2, 3], 3, Stops(ids=frozenset({2})), None),        # before `start`: already checked
-    ([0, 1, 2, 3], 0, Stops(strings=("bc",)), 3),              # string ends at the token that completes it
-    ([0, 1, 2, 3], 2, Stops(strings=("bc",)), 3),              # straddling `start` still found
-    ([0, 1, 2, 3], 0, Stops(strings=("zz",)), None),
+    ([0, 1, 2, 3], 0, StopConditions(stop_ids=frozenset({2})), 3),      # stop id: kept, cut after it
+    ([0, 1, 2, 3], 3, StopConditions(stop_ids=frozenset({2})), None),   # before `start`: already checked
+    ([0, 1, 2, 3], 0, StopConditions(stop_strings=("bc",)), 3),         # string ends at the token that completes it
+    ([0, 1, 2, 3], 2, StopConditions(stop_strings=("bc",)), 3),         # straddling `start` still found
+    ([0, 1, 2, 3], 0, StopConditions(stop_strings=("zz",)), None),
 ])
 def test_first_stop(tokens, start, stops, expected):
-    assert first_stop(tokens, start, stops.ids, stops.strings, letters) == expected
+    assert first_stop(tokens, start, stops.stop_ids, stops.stop_strings, letters) == expected
 
 
 @pytest.mark.parametrize("text, strings, final, expected", [

@@ -20,7 +20,7 @@ from verifier_service.sessions import SessionBusyError
 from verifier_service.tp_group import TPGroupError
 from verifier_service.turns import Outcome, Turn, Verifier
 
-MAX_SESSION_ID = 320  # the router allows 256 and prefixes "<key id>/" (router.turns.scoped_session)
+MAX_SESSION_ID = 320  # the router allows 256 and prefixes "<key id>/" (router.auth.scoped_session)
 
 
 def _status_for(exc: Exception) -> grpc.StatusCode:

@@ -21,7 +21,7 @@ import openai
 import pytest
 import redis
 
-from router.turns import key_id, scoped_session
+from router.auth import key_id, scoped_session
 from specmesh.client import AsyncClient, Client, SpecmeshError
 from specmesh.loader import bundled_target_path, load_tokenizer
 from specmesh.registry import Binding, Keys, binding_from_json, binding_to_json, unpack_tokens

@@ -16,7 +16,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.turns import key_id
+from router.auth import key_id
 from specmesh import tls
 from specmesh.client import Client, SpecmeshError
 from specmesh.v1 import router_pb2_grpc, verifier_pb2

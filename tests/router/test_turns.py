@@ -83,7 +83,7 @@ def fleet():
 
 def turn(router: Router, ids: list[int], max_tokens: int, session_id: str = "s", stop: tuple[str, ...] = (),
          full_context: bool = False) -> TurnRequest:
-    return TurnRequest(session_id=session_id, ids=ids, max_tokens=max_tokens, stops=router.stops(stop, (), False),
+    return TurnRequest(session_id=session_id, ids=ids, stop=router.stop_conditions(max_tokens, stop, (), False),
                        template=verifier_pb2.GenerateRequest(stop=stop), full_context=full_context)
 
 
