@@ -1,21 +1,26 @@
-"""Settings of the drafter service: one frozen dataclass, parsed once at the entry point
-(`python -m drafter_service`, flags or SPECMESH_* environment variables) and passed down."""
+"""Settings of the drafter service: one frozen dataclass, parsed once at the entry point from flags
+or SPECMESH_* environment variables (`DrafterServiceConfig.from_args`, specmesh.service), and
+passed down."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from specmesh.device import DTYPES
 from specmesh.drafters import parse_drafter_spec
-from specmesh.service import DEFAULT_LOG_LEVEL
-from specmesh.tls import ServerTls
+from specmesh.service import DEFAULT_LOG_LEVEL, ServiceConfig, add_common_args, flag
+from specmesh.tls import ServerTls, server_from_args
 
 DEFAULT_VOCAB_SIZE = 49152  # the bundled SmolLM2's vocabulary (oracle only)
 MAX_MESSAGE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
-class DrafterServiceConfig:
+class DrafterServiceConfig(ServiceConfig):
+    PROG: ClassVar[str] = "python -m drafter_service"
+    DESCRIPTION: ClassVar[str] = "specmesh drafter service (gRPC specmesh.v1.Drafter)"
+
     drafter: str = "ngram"  # ngram | model:PATH | oracle:ALPHA
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
@@ -32,7 +37,7 @@ class DrafterServiceConfig:
     device: str = "auto"  # model drafters: auto (cuda when available) | cpu | cuda (specmesh.device)
     dtype: str = "float32"  # model drafters: specmesh.device.DTYPES (auto: runtime.load_model_drafter)
     max_streams: int = 64  # concurrent Draft streams (one worker thread each)
-    grace_s: float = 2.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
+    grace_s: float = 5.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES
     metrics_port: int = 0  # Prometheus /metrics on this port (0 = off)
     tls: ServerTls = field(default_factory=ServerTls)  # the gRPC port (verifiers dial it); off = plaintext
@@ -49,8 +54,40 @@ class DrafterServiceConfig:
     def kind(self) -> str:
         return parse_drafter_spec(self.drafter)[0]
 
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        d = cls()
+        add_common_args(p, d, model=True, metrics=True)
+        flag(p, "--drafter", d.drafter, help="ngram | model:PATH | oracle:ALPHA")
+        flag(p, "--tokenizer", d.tokenizer,
+             help="the tokenizer shared with the target (HF folder or GGUF), to prune trees to a turn's grammar "
+                  "(structured outputs); default: a model drafter's own, if its files hold one; none: do not "
+                  "follow grammars")
+        flag(p, "--oracle-reference", d.oracle_reference,
+             help="oracle: JSON list of token-id sequences (prompt + the target's continuation)")
+        flag(p, "--draft-cost-s", d.draft_cost_s, type=float,
+             help="oracle: seconds to sleep per tree level (a drafter of that cost)")
+        flag(p, "--draft-row-cost-s", d.draft_row_cost_s, type=float,
+             help="oracle: seconds to sleep per row of a level, on top (a wider level costs more, as on a CPU)")
+        flag(p, "--vocab-size", d.vocab_size, type=int, help="oracle: vocabulary size (default: the bundled SmolLM2's)")
+        flag(p, "--seed", d.seed, type=int, help="oracle: corruption seed")
+        flag(p, "--max-sessions", d.max_sessions, type=int, help="sessions kept (least recently used evicted beyond)")
+        flag(p, "--idle-timeout-s", d.idle_timeout_s, type=float, help="a session idle this long is closed")
+        flag(p, "--max-context-tokens", d.max_context_tokens, type=int,
+             help="tokens one session may hold; a request beyond is refused")
+        flag(p, "--max-total-tokens", d.max_total_tokens, type=int,
+             help="tokens all sessions may hold together (their KV caches); least recently used evicted beyond")
+        flag(p, "--max-streams", d.max_streams, type=int, help="concurrent Draft streams (one worker thread each)")
+        flag(p, "--redis-url", d.redis_url,
+             help="register and heartbeat in the router registry (specmesh.registry), deregistered on stop")
+
+    @classmethod
+    def from_dict(cls, a: dict) -> DrafterServiceConfig:
+        return cls(tls=server_from_args(a, a.pop("service_token")), **a)
+
     def validate(self) -> None:
         """Raise ValueError naming the setting if one is bad."""
+        super().validate()
         kind, _ = parse_drafter_spec(self.drafter)
         if kind == "none":
             raise ValueError("drafter: a drafter service needs a drafter: ngram, model:PATH or oracle:ALPHA")
@@ -62,10 +99,6 @@ class DrafterServiceConfig:
                 raise ValueError(f"{name}: only the oracle drafter models a draft cost")
             if value < 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port: must be in [0, 65535], got {self.metrics_port}")
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size: must be >= 2, got {self.vocab_size}")
         if self.max_sessions < 1:
@@ -79,14 +112,5 @@ class DrafterServiceConfig:
                              f"got {self.max_total_tokens}")
         if kind != "model" and (self.device != "auto" or self.dtype != "float32"):
             raise ValueError("device, dtype: only a model drafter computes (ngram and oracle run on the CPU)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if self.max_streams < 1:
             raise ValueError(f"max_streams: must be >= 1, got {self.max_streams}")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url: redis://HOST:PORT/DB, got {self.redis_url!r}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
-        self.tls.validate()

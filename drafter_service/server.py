@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -24,7 +22,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import calibrate
 from specmesh.grammar import Grammars
 from specmesh.planner import Acceptance, Costs
-from specmesh.service import grpc_server, set_serving
+from specmesh.service import grpc_server, set_serving, stop_server, until_signal
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -125,8 +123,10 @@ def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | 
 
 def serve(cfg: DrafterServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully. Prints the listening line once serving."""
+    from specmesh import kernels
     from specmesh.runtime import fit_threads
 
+    kernels.set_threads(cfg.threads)
     drafter, vocab_size = build_drafter(cfg)
     grammars = build_grammars(cfg, vocab_size)
     threads = fit_threads(drafter)
@@ -138,9 +138,7 @@ def serve(cfg: DrafterServiceConfig) -> None:
         metrics.watch_planner(costs, recent)
         start_exporter(cfg.host, cfg.metrics_port, metrics.render)
     server, health_servicer, port = start_server(cfg, drafter, vocab_size, store, costs, recent, grammars)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = until_signal()
     print(f"drafter_service listening on {cfg.host}:{port}", flush=True)
     beat = None
     if cfg.redis_url:  # router registry: heartbeat from a daemon thread, deregistered on stop
@@ -156,7 +154,6 @@ def serve(cfg: DrafterServiceConfig) -> None:
     log.info("stopping (grace %gs)", cfg.grace_s)
     if beat is not None:
         beat.stop()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(cfg.grace_s).wait()
+    stop_server(server, health_servicer, cfg.grace_s)
     store.close_all()
     sys.stdout.flush()

@@ -1,21 +1,24 @@
 """Settings of one router process: one frozen dataclass, parsed once at the entry point from flags
-or SPECMESH_* environment variables, and passed down."""
+or SPECMESH_* environment variables (`RouterConfig.from_args`, specmesh.service), and passed down."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from router.policies import Overload, PolicyName
 from specmesh.registry import DEFAULT_PREFIX, SESSION_TTL_S
-from specmesh.service import DEFAULT_LOG_LEVEL, add_log_level_arg
-from specmesh.service_token import add_token_arg
-from specmesh.tls import PeerTls, ServerTls, add_peer_args, add_server_args, peer_from_args, server_from_args
+from specmesh.service import DEFAULT_LOG_LEVEL, ServiceConfig, add_common_args, flag
+from specmesh.tls import PeerTls, ServerTls, add_peer_args, peer_from_args, server_from_args
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(ServiceConfig):
+    PROG: ClassVar[str] = "python -m router"
+    DESCRIPTION: ClassVar[str] = "specmesh router (gRPC + OpenAI-compatible HTTP)"
+
     host: str = "127.0.0.1"
     log_level: str = DEFAULT_LOG_LEVEL
     port: int = 0                        # gRPC (0 = a free port, printed on start)
@@ -45,6 +48,7 @@ class RouterConfig:
         return Overload(self.overload_tokens, self.overload_ratio)
 
     def validate(self) -> None:
+        super().validate()
         PolicyName(self.policy)
         for name in ("max_prompt_tokens", "max_tokens", "max_request_bytes", "max_attempts"):
             if getattr(self, name) < 1:
@@ -57,51 +61,43 @@ class RouterConfig:
             raise ValueError(f"max_sessions_per_key: must be >= 0, got {self.max_sessions_per_key}")
         if self.max_sessions_per_key and not self.api_keys:
             raise ValueError("max_sessions_per_key: sessions are counted per API key; configure --api-key")
-        self.tls.validate()
+        if self.http_port != -1 and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port: must be in [0, 65535] or -1 (off), got {self.http_port}")
         self.peer_tls.validate()
 
 
-def parse_args(argv: list[str] | None = None) -> RouterConfig:
-    env = os.environ.get
-    d = RouterConfig()
-    p = argparse.ArgumentParser(prog="python -m router", description="specmesh router (gRPC + OpenAI-compatible HTTP)")
-    p.add_argument("--host", default=env("SPECMESH_HOST", d.host))
-    p.add_argument("--port", type=int, default=int(env("SPECMESH_PORT", d.port)))
-    p.add_argument("--http-port", type=int, default=int(env("SPECMESH_HTTP_PORT", d.http_port)),
-                   help="0 = a free port, -1 = no HTTP API")
-    p.add_argument("--redis-url", default=env("SPECMESH_REDIS_URL", d.redis_url))
-    p.add_argument("--redis-prefix", default=env("SPECMESH_REDIS_PREFIX", d.redis_prefix))
-    p.add_argument("--tokenizer", default=env("SPECMESH_TOKENIZER", d.tokenizer),
-                   help="tokenizer path (HF folder or .gguf); default: the bundled model's")
-    p.add_argument("--model-name", default=env("SPECMESH_MODEL_NAME", d.model_name))
-    p.add_argument("--policy", choices=[n.value for n in PolicyName], default=env("SPECMESH_POLICY", d.policy))
-    p.add_argument("--overload-tokens", type=int, default=int(env("SPECMESH_OVERLOAD_TOKENS", d.overload_tokens)))
-    p.add_argument("--overload-ratio", type=float, default=float(env("SPECMESH_OVERLOAD_RATIO", d.overload_ratio)))
-    p.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                   help="accepted bearer key (repeat for several); also SPECMESH_API_KEYS=k1,k2")
-    p.add_argument("--max-prompt-tokens", type=int, default=int(env("SPECMESH_MAX_PROMPT_TOKENS", d.max_prompt_tokens)))
-    p.add_argument("--max-tokens", type=int, default=int(env("SPECMESH_MAX_TOKENS", d.max_tokens)))
-    p.add_argument("--max-request-bytes", type=int, default=int(env("SPECMESH_MAX_REQUEST_BYTES", d.max_request_bytes)))
-    p.add_argument("--body-timeout-s", type=float, default=float(env("SPECMESH_BODY_TIMEOUT_S", d.body_timeout_s)),
-                   help="HTTP: seconds a request body may take to arrive; then 408 and the connection closes")
-    p.add_argument("--session-ttl-s", type=float, default=float(env("SPECMESH_SESSION_TTL_S", d.session_ttl_s)))
-    p.add_argument("--max-attempts", type=int, default=int(env("SPECMESH_MAX_ATTEMPTS", d.max_attempts)))
-    p.add_argument("--max-sessions-per-key", type=int,
-                   default=int(env("SPECMESH_MAX_SESSIONS_PER_KEY", d.max_sessions_per_key)),
-                   help="live sessions per API key (requests with a session id; one-shots are not counted); "
-                        "a new one beyond -> RESOURCE_EXHAUSTED / 429; 0 = unlimited")
-    p.add_argument("--grace-s", type=float, default=float(env("SPECMESH_GRACE_S", d.grace_s)))
-    add_server_args(p, env)
-    add_peer_args(p, env, "verifiers")
-    add_token_arg(p, env)
-    add_log_level_arg(p)
-    a = vars(p.parse_args(argv))
-    keys = a.pop("api_keys") or [k for k in env("SPECMESH_API_KEYS", "").split(",") if k]
-    # the public ports take API keys; the service token goes to verifiers
-    cfg = RouterConfig(api_keys=tuple(keys), tls=server_from_args(a), peer_tls=peer_from_args(a, a.pop("service_token")),
-                       **a)
-    try:
-        cfg.validate()
-    except ValueError as e:
-        p.error(str(e))
-    return cfg
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        d = cls()
+        add_common_args(p, d, model=False, metrics=False)
+        flag(p, "--http-port", d.http_port, type=int,
+             help="OpenAI-compatible HTTP API, /health and /metrics (0 = a free port, -1 = no HTTP API)")
+        flag(p, "--redis-url", d.redis_url, help="the router registry and session state (redis:// or rediss://; "
+                                                 "password in the URL)")
+        flag(p, "--redis-prefix", d.redis_prefix, help="prefix of the registry's Redis keys")
+        flag(p, "--tokenizer", d.tokenizer, help="tokenizer path (HF folder or .gguf); default: the bundled model's")
+        flag(p, "--model-name", d.model_name, help="served model name (default: from the tokenizer path)")
+        flag(p, "--policy", d.policy, choices=[n.value for n in PolicyName], help="placement policy")
+        flag(p, "--overload-tokens", d.overload_tokens, type=int, help="sticky-least-tokens: absolute overload")
+        flag(p, "--overload-ratio", d.overload_ratio, type=float, help="sticky-least-tokens: relative overload")
+        p.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                       help="accepted bearer key (repeat for several; env SPECMESH_API_KEYS=k1,k2)")
+        flag(p, "--max-sessions-per-key", d.max_sessions_per_key, type=int,
+             help="live sessions per API key (requests with a session id; one-shots are not counted); "
+                  "a new one beyond -> RESOURCE_EXHAUSTED / 429; 0 = unlimited")
+        flag(p, "--max-prompt-tokens", d.max_prompt_tokens, type=int, help="context of a turn (history + new tokens)")
+        flag(p, "--max-tokens", d.max_tokens, type=int, help="upper bound of a request's max_tokens")
+        flag(p, "--max-request-bytes", d.max_request_bytes, type=int, help="serialized request (gRPC) / body (HTTP)")
+        flag(p, "--body-timeout-s", d.body_timeout_s, type=float,
+             help="HTTP: seconds a request body may take to arrive; then 408 and the connection closes")
+        flag(p, "--session-ttl-s", d.session_ttl_s, type=float, help="a session's binding and history live this "
+                                                                      "long after its last turn")
+        flag(p, "--max-attempts", d.max_attempts, type=int, help="verifiers tried per turn")
+        add_peer_args(p, what="verifiers")
+
+    @classmethod
+    def from_dict(cls, a: dict) -> RouterConfig:
+        keys = a.pop("api_keys") or [k for k in os.environ.get("SPECMESH_API_KEYS", "").split(",") if k]
+        # the public ports take API keys; the service token goes to verifiers
+        return cls(api_keys=tuple(keys), tls=server_from_args(a), peer_tls=peer_from_args(a, a.pop("service_token")),
+                   **a)

@@ -67,9 +67,36 @@ async def stop(servers: Servers, router: Router, grace_s: float) -> None:
     await router.close()
 
 
-async def serve_until_signal(cfg: RouterConfig, router: Router, announce) -> None:
+def serve(cfg: RouterConfig) -> None:
+    """Load the tokenizer (--tokenizer, else the bundled model's), connect to Redis, serve gRPC and
+    HTTP until SIGTERM/SIGINT, stop gracefully."""
+    from router.state import RouterState
+    from specmesh.loader import bundled_target_path, load_tokenizer
+    from specmesh.registry import model_name
+
+    path = cfg.tokenizer or str(bundled_target_path())
+    tokenizer = load_tokenizer(path)
+
+    async def run() -> None:
+        state = RouterState.from_url(cfg.redis_url, cfg.redis_prefix, cfg.session_ttl_s)
+        await serve_until_signal(cfg, Router(cfg, state, tokenizer, cfg.model_name or model_name(path)))
+
+    asyncio.run(run())
+
+
+def _redacted(url: str) -> str:
+    """The Redis URL without its password."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}"
+
+
+async def serve_until_signal(cfg: RouterConfig, router: Router) -> None:
     servers = await start(cfg, router)
-    announce(servers)
+    http = f" http {cfg.host}:{servers.http_port}" if servers.http_port is not None else ""
+    print(f"router listening on {cfg.host}:{servers.port}{http} "
+          f"(policy={cfg.policy}, redis={_redacted(cfg.redis_url)}, tls={cfg.tls.mode}, "
+          f"verifier_tls={'on' if cfg.peer_tls.enabled else 'off'})", flush=True)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

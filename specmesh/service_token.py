@@ -33,8 +33,8 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 def add_token_arg(p: argparse.ArgumentParser, env=os.environ.get) -> None:
     p.add_argument("--service-token", default=env(ENV, ""),
-                   help=f"shared token of the internal ports (prefer ${ENV}: a flag shows in ps); "
-                        "'' = none required / sent")
+                   help=f"shared token of the internal ports ('' = none required / sent; prefer the variable: a flag "
+                        f"shows in ps) (env {ENV})")
 
 
 class _Require(grpc.ServerInterceptor):

@@ -204,22 +204,22 @@ def client_from_args(a: argparse.Namespace) -> ClientTls:
 
 def add_server_args(p: argparse.ArgumentParser, env: Env = os.environ.get) -> None:
     g = p.add_argument_group("TLS of the listening port(s) (default: plaintext)")
-    g.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""), help="PEM certificate chain; turns TLS on")
-    g.add_argument("--tls-key", default=env("SPECMESH_TLS_KEY", ""), help="PEM private key of --tls-cert")
+    g.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""), help="PEM certificate chain; turns TLS on (env SPECMESH_TLS_CERT)")
+    g.add_argument("--tls-key", default=env("SPECMESH_TLS_KEY", ""), help="PEM private key of --tls-cert (env SPECMESH_TLS_KEY)")
     g.add_argument("--tls-client-ca", "--tls-ca", dest="tls_client_ca", default=env("SPECMESH_TLS_CLIENT_CA", ""),
-                   help="PEM CA: require client certificates signed by it (mTLS)")
+                   help="PEM CA: require client certificates signed by it (mTLS) (env SPECMESH_TLS_CLIENT_CA)")
 
 
 def add_peer_args(p: argparse.ArgumentParser, env: Env = os.environ.get, what: str = "other services") -> None:
     g = p.add_argument_group(f"TLS of channels to {what} (default: plaintext)")
     g.add_argument("--peer-ca", default=env("SPECMESH_PEER_CA", ""),
-                   help="PEM CA the peers' certificates must chain to; turns TLS on")
+                   help="PEM CA the peers' certificates must chain to; turns TLS on (env SPECMESH_PEER_CA)")
     g.add_argument("--peer-cert", default=env("SPECMESH_PEER_CERT", ""),
                    help="PEM client certificate for peers that require mTLS (turns TLS on; without --peer-ca "
-                        "peers are checked against the system roots)")
-    g.add_argument("--peer-key", default=env("SPECMESH_PEER_KEY", ""), help="PEM private key of --peer-cert")
+                        "peers are checked against the system roots) (env SPECMESH_PEER_CERT)")
+    g.add_argument("--peer-key", default=env("SPECMESH_PEER_KEY", ""), help="PEM private key of --peer-cert (env SPECMESH_PEER_KEY)")
     g.add_argument("--peer-server-name", default=env("SPECMESH_PEER_SERVER_NAME", ""),
-                   help="name expected in peers' certificates instead of the dialled host")
+                   help="name expected in peers' certificates instead of the dialled host (env SPECMESH_PEER_SERVER_NAME)")
 
 
 def server_from_args(a: dict, token: str = "") -> ServerTls:

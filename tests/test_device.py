@@ -81,8 +81,8 @@ def test_drafter_device_settings_only_for_model_drafters() -> None:
 
 
 def test_verifier_takes_no_gpu_index() -> None:
-    from verifier_service.config import parse_args
+    from verifier_service.config import VerifierConfig
 
     with pytest.raises(SystemExit):
-        parse_args(["--device", "cuda:1"])  # rank r is on cuda:r; CUDA_VISIBLE_DEVICES picks the GPUs
-    assert parse_args(["--device", "cpu", "--dtype", "bfloat16"]).dtype == "bfloat16"
+        VerifierConfig.from_args(["--device", "cuda:1"])  # rank r is on cuda:r; CUDA_VISIBLE_DEVICES picks the GPUs
+    assert VerifierConfig.from_args(["--device", "cpu", "--dtype", "bfloat16"]).dtype == "bfloat16"

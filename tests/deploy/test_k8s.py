@@ -275,12 +275,12 @@ def test_probes_are_native_grpc_on_the_service_port(overlay):
 def test_service_flags_match_manifest_ports(overlay, monkeypatch):
     """Parse each service container's args + literal SPECMESH_* env with the service's own CLI: it
     must listen on 0.0.0.0 at its declared containerPort (the port the probes and policies use)."""
-    from drafter_service.__main__ import build_parser
-    from router.config import parse_args as router_args
-    from verifier_service.config import parse_args as verifier_args
+    from drafter_service.config import DrafterServiceConfig
+    from router.config import RouterConfig
+    from verifier_service.config import VerifierConfig
 
-    parsers = {"router": router_args, "verifier_service": verifier_args,
-               "drafter_service": lambda argv: build_parser().parse_args(argv)}
+    parsers = {"router": RouterConfig.from_args, "verifier_service": VerifierConfig.from_args,
+               "drafter_service": DrafterServiceConfig.from_args}
     for where, comp, c in service_containers(render(overlay)):
         with monkeypatch.context() as m:
             for k in [k for k in os.environ if k.startswith("SPECMESH_")]:
@@ -428,7 +428,7 @@ def test_gpu_overlays_place_drafters_and_verifiers_on_gpu_pools(overlay):
 def test_multinode_overlay_replaces_the_statefulset_with_a_leaderworkerset(monkeypatch):
     """The leader's rank 0 (verifier CLI) and each worker pod's ranks (tp_group CLI with --lws, as
     the LWS controller sets LWS_*) make one group: ranks 0..N-1 exactly once, one rendezvous port."""
-    from verifier_service.config import parse_args as verifier_args
+    from verifier_service.config import VerifierConfig
     from verifier_service.tp_join import parse_hostport, parse_worker_args
 
     docs = render("gpu-multinode")
@@ -447,7 +447,7 @@ def test_multinode_overlay_replaces_the_statefulset_with_a_leaderworkerset(monke
         for k, v in resolved_env(leader).items():
             if k.startswith("SPECMESH_") and v is not None:
                 m.setenv(k, v)
-        rank0 = verifier_args(leader["args"][3:])
+        rank0 = VerifierConfig.from_args(leader["args"][3:])
     host, port = parse_hostport(rank0.tp_listen)
     assert host == "0.0.0.0" and port in {p["containerPort"] for p in leader["ports"]}
     assert rank0.tp == size * gpus and rank0.tp_local_ranks == gpus

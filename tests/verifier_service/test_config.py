@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from verifier_service import config
-from verifier_service.config import VerifierConfig, on_this_machine, parse_args
+from verifier_service.config import VerifierConfig, on_this_machine
 
 
 @pytest.fixture
@@ -31,11 +31,11 @@ def test_on_and_off_are_kept_as_given(two_cores):
 
 
 def test_flags():
-    assert parse_args([]).pipelining == "auto"
-    assert parse_args(["--pipelining", "on"]).pipelining == "on"
-    assert parse_args(["--no-pipelining"]).pipelining == "off"
+    assert VerifierConfig.from_args([]).pipelining == "auto"
+    assert VerifierConfig.from_args(["--pipelining", "on"]).pipelining == "on"
+    assert VerifierConfig.from_args(["--no-pipelining"]).pipelining == "off"
     with pytest.raises(SystemExit):
-        parse_args(["--pipelining", "sometimes"])
+        VerifierConfig.from_args(["--pipelining", "sometimes"])
 
 
 def test_loopback_addresses():
@@ -44,7 +44,7 @@ def test_loopback_addresses():
 
 
 def test_drafter_addr_and_its_deprecated_old_name(capsys):
-    assert parse_args(["--drafter-addr", "127.0.0.1:5"]).drafter == "127.0.0.1:5"
+    assert VerifierConfig.from_args(["--drafter-addr", "127.0.0.1:5"]).drafter == "127.0.0.1:5"
     assert capsys.readouterr().err == ""
-    assert parse_args(["--drafter", "127.0.0.1:6"]).drafter == "127.0.0.1:6"
+    assert VerifierConfig.from_args(["--drafter", "127.0.0.1:6"]).drafter == "127.0.0.1:6"
     assert "--drafter is deprecated, use --drafter-addr" in capsys.readouterr().err

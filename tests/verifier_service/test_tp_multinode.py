@@ -201,18 +201,18 @@ def test_worker_settings_refuse_what_cannot_join(argv, env, err, capsys):
 
 
 def test_verifier_flags_for_remote_ranks(monkeypatch):
-    from verifier_service.config import parse_args
+    from verifier_service.config import VerifierConfig
 
-    cfg = parse_args(["--tp", "16", "--tp-local-ranks", "8", "--tp-listen", "0.0.0.0:29500"])
+    cfg = VerifierConfig.from_args(["--tp", "16", "--tp-local-ranks", "8", "--tp-listen", "0.0.0.0:29500"])
     assert (cfg.tp, cfg.tp_local_ranks, cfg.tp_listen) == (16, 8, "0.0.0.0:29500")
     monkeypatch.setenv("SPECMESH_TP_LISTEN", "0.0.0.0:1")
     monkeypatch.setenv("SPECMESH_TP_LOCAL_RANKS", "2")
     monkeypatch.setenv("SPECMESH_TP_START_TIMEOUT_S", "30")
-    cfg = parse_args(["--tp", "4"])
+    cfg = VerifierConfig.from_args(["--tp", "4"])
     assert (cfg.tp_listen, cfg.tp_local_ranks, cfg.tp_start_timeout_s) == ("0.0.0.0:1", 2, 30.0)
     for bad in (["--tp", "2", "--tp-local-ranks", "3", "--tp-listen", "h:1"], ["--tp", "4", "--tp-listen", "h"]):
         with pytest.raises(SystemExit):
-            parse_args(bad)
+            VerifierConfig.from_args(bad)
     monkeypatch.delenv("SPECMESH_TP_LISTEN")
     with pytest.raises(SystemExit):  # ranks elsewhere with nowhere to join
-        parse_args(["--tp", "4"])
+        VerifierConfig.from_args(["--tp", "4"])
