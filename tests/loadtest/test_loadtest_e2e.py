@@ -42,6 +42,12 @@ def loadtest(tmp_path, *argv: str) -> dict:
     return json.loads(out.read_text())
 
 
+def speculated(arm: dict) -> bool:
+    """Whether the drafter planned the arm's steps: it sent trees, or, where its planner measured
+    that speculation does not pay on this machine, plain runs (a loaded machine can tip it)."""
+    return arm["speculation"]["drafted_tokens"] > 0 or arm["speculation"]["plain_steps"] > 0
+
+
 def test_grpc_closed_loop_ab_on_and_off(cluster, tmp_path):
     grpc_address, _, metrics = cluster
     assert set(metrics) == {"verifier", "drafter-0"}
@@ -55,9 +61,9 @@ def test_grpc_closed_loop_ab_on_and_off(cluster, tmp_path):
         assert all(k in arm for k in VLLM_FIELDS)
         assert arm["completed"] == 2 and arm["failed"] == 0 and 2 <= arm["total_output_tokens"] <= 24
         assert arm["mean_ttft_ms"] > 0 and arm["request_goodput"] == arm["request_throughput"]
-    # the server's speculation stats: drafts only in the A arm
-    assert spec["speculation"]["steps"] > 0 and spec["speculation"]["drafted_tokens"] > 0
-    assert nospec["speculation"]["drafted_tokens"] == 0
+    # the server's speculation stats: the drafter planned only the A arm's steps
+    assert spec["speculation"]["steps"] > 0 and speculated(spec)
+    assert nospec["speculation"]["drafted_tokens"] == 0 and not speculated(nospec)
     assert nospec["speculation"]["tokens_per_step"] == pytest.approx(1.0)
     # lossless: greedy output is the same with and without speculation
     assert run["ab"]["identical_outputs"] == {"same": 2, "pairs": 2, "checked": True}
@@ -83,8 +89,8 @@ def test_http_sessions_reuse_the_kv_cache_ab_and_scrape_metrics(cluster, tmp_pat
         assert second > first + 8  # the context grew by the reply and a new question
         assert arm["cached_prompt_tokens"] >= first  # the second turn reused the first turn's KV cache
     # the router's `speculation` extension switched the B arm to plain decoding
-    assert run["arms"]["spec"]["speculation"]["drafted_tokens"] > 0
-    assert run["arms"]["nospec"]["speculation"]["drafted_tokens"] == 0
+    assert speculated(run["arms"]["spec"])
+    assert run["arms"]["nospec"]["speculation"]["drafted_tokens"] == 0 and not speculated(run["arms"]["nospec"])
     assert run["ab"]["identical_outputs"]["same"] == run["ab"]["identical_outputs"]["pairs"] == 2
     (scraped,) = r["server_metrics"]
     assert scraped["delta"]['specmesh_router_requests_total{api="http",outcome="ok"}'] == 4
