@@ -148,7 +148,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 _check_shape(e.budget, e.depth)
                 self._check_tokens("tokens", e.tokens)
                 self._check_length("tokens", (e.keep or session.position) + len(e.tokens))
-                grammar = None if e.same_turn else self._grammar(e, (e.keep or session.position) + len(e.tokens))
+                grammar = None if e.same_turn else self._grammar(e)
                 step = session.extend(list(e.tokens), e.budget, e.depth, e.keep,
                                       self._features(e.features, len(e.tokens)), grammar, e.same_turn)
             else:
@@ -174,7 +174,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if any(pt.rows < 1 or not pt.seconds > 0 for pt in o.verify_cost):
             raise RequestError("verify_cost: every point needs rows >= 1 and seconds > 0")
         self.costs.set_verify_cost([(pt.rows, pt.seconds) for pt in o.verify_cost])
-        grammar = self._grammar(o, len(context))
+        grammar = self._grammar(o)
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
                              push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
                              fixed=o.fixed_shape, grammar=grammar)
@@ -186,15 +186,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.store.put(sid, session)
         return session, step
 
-    def _grammar(self, msg, start: int):
+    def _grammar(self, msg):
         """The turn's grammar (a `grammar.Guide`) from an open or extend message (None when it has
-        none), its output beginning after `start` committed tokens."""
+        none)."""
         if not msg.HasField("structured"):
             return None
         if self.grammars is None:
             raise RequestError("structured: this drafter has no tokenizer to follow a grammar with "
                                "(it announces none; start it with --tokenizer)")
-        return self.grammars.guide(structured_from_pb(msg.structured), start)
+        return self.grammars.guide(structured_from_pb(msg.structured))
 
     def _session(self, sid: str) -> DraftAhead:
         session = self.store.get(sid)

@@ -64,10 +64,10 @@ class Metered:
     def add(self, tokens):
         self.constraint.add(tokens)
 
-    def guide(self, start: int):
+    def guide(self):
         if not self.guided:
             return None
-        self.guides.append(self.constraint.guide(start))
+        self.guides.append(self.constraint.guide())
         return self.guides[-1]
 
     @property

@@ -391,7 +391,7 @@ def generate_stream(
     features = drafter is not None and drafter.needs_features
     target = TargetSession(model, prompt_ids, features)
     session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
-    grammar = constraint.guide(len(prompt_ids)) if session is not None and constraint is not None else None
+    grammar = constraint.guide() if session is not None and constraint is not None else None
     guide = turn_guide(params, len(prompt_ids), grammar) if session is not None else None
     source = LocalDrafts(session, spec, params, generator, guide) if session is not None else None
     try:

@@ -88,9 +88,9 @@ class Grammars:
             raise ValueError(f"structured.{spec.kind}: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size, self.tokenizer.eos_token_id)
 
-    def guide(self, spec: GrammarSpec, start: int) -> Guide:
-        """A drafter's guide for a turn whose output begins after `start` context tokens."""
-        return self.constraint(spec).guide(start)
+    def guide(self, spec: GrammarSpec) -> Guide:
+        """A drafter's guide for a turn of this grammar."""
+        return self.constraint(spec).guide()
 
 
 def _allowed(matcher, vocab_size: int) -> torch.Tensor:
@@ -110,10 +110,10 @@ class Constraint:
         """[V] bool: the tokens the grammar allows next."""
         return _allowed(self.matcher, self.vocab_size)
 
-    def guide(self, start: int) -> Guide:
-        """A drafter's guide from this turn's state on, its output beginning after `start` context
-        tokens (its own matcher: drafting never moves this one)."""
-        return Guide(self.matcher.deep_copy(), self.vocab_size, self.eos, start)
+    def guide(self) -> Guide:
+        """A drafter's guide from this turn's state on (its own matcher: drafting never moves this
+        one)."""
+        return Guide(self.matcher.deep_copy(), self.vocab_size, self.eos)
 
     def __call__(self, logits: torch.Tensor, parents: list[int], tokens: list[int]) -> torch.Tensor:
         """logits [N+1, V] with each reachable row's forbidden tokens at -inf."""
@@ -155,25 +155,22 @@ class Constraint:
 
 
 class Guide:
-    """Which tokens may follow a draft node: the grammar's state after the turn's output (the
-    drafter's context from `start` on) and the node's path. Its matcher follows the sequence
+    """Which tokens may follow a draft node: the grammar's state after the turn's output up to the
+    node (`seq`: the output the turn has, then the node's path). Its matcher follows the sequence
     asked about by rolling back to the common prefix with the last one and consuming the rest,
     so the nodes of a level, which share their ancestors, cost a few tokens each."""
 
-    def __init__(self, matcher, vocab_size: int, eos: int | None, start: int) -> None:
-        self.matcher, self.vocab_size, self.eos, self.start = matcher, vocab_size, eos, start
-        self._fed: list[int] = []  # the tokens the matcher has consumed, from `start` on
+    def __init__(self, matcher, vocab_size: int, eos: int | None) -> None:
+        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
+        self._fed: list[int] = []  # the tokens the matcher has consumed, from the turn's start
         self.seconds = 0.0  # spent computing masks (benchmarks report it)
 
-    def allowed(self, context: list[int], root: int, path: tuple[int, ...]) -> torch.Tensor | None:
-        """[V] bool: the tokens that may follow `context[:root]` + `path`; None when the turn's
-        output there is not one the grammar accepts (the drafter's context ran past the
-        verifier's, or the guide is for another turn): then nothing is pruned."""
+    def allowed(self, seq: list[int]) -> torch.Tensor | None:
+        """[V] bool: the tokens that may follow the turn's output `seq`; None when `seq` is not an
+        output the grammar accepts (the drafter's context ran past the verifier's, or the guide
+        is for another turn): then nothing is pruned."""
         t0 = time.perf_counter()
         try:
-            if root < self.start:
-                return None
-            seq = context[self.start:root] + list(path)
             if self.eos is not None and self.eos in seq:  # nothing follows the end of the turn
                 return torch.zeros(self.vocab_size, dtype=torch.bool)
             fed, m = self._fed, self.matcher

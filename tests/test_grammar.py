@@ -98,17 +98,16 @@ def test_the_guide_answers_as_a_fresh_matcher_whatever_it_was_asked_before(bundl
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     context = [1, 2, 3]
     ctx = context + tok.encode('{"name": "Ann", "age": 31}', add_special_tokens=False)
-    guide = grammars.guide(spec, len(context))
+    guide = grammars.guide(spec)
     rng = random.Random(0)
     for _ in range(40):  # roots and paths in any order: the guide rolls back and consumes as needed
         root = rng.randint(len(context), len(ctx))
         path = tuple(ctx[root:root + rng.randint(0, len(ctx) - root)])
         fresh = grammars.constraint(spec)
         fresh.add(ctx[len(context):root + len(path)])
-        assert torch.equal(guide.allowed(ctx, root, path), fresh.allowed()), (root, path)
-    assert guide.allowed(ctx, 2, ()) is None, "a root before the turn's output: no constraint known"
-    assert guide.allowed(ctx, len(context), tuple(tok.encode("hello", add_special_tokens=False))) is None
-    assert not guide.allowed(ctx, len(ctx), (tok.eos_token_id,)).any(), "nothing follows the end of the turn"
+        assert torch.equal(guide.allowed(ctx[len(context):root] + list(path)), fresh.allowed()), (root, path)
+    assert guide.allowed(tok.encode("hello", add_special_tokens=False)) is None
+    assert not guide.allowed(ctx[len(context):] + [tok.eos_token_id]).any(), "nothing follows the end of the turn"
 
 
 @pytest.mark.parametrize("kind, source, question", CASES[:3], ids=[c[0] for c in CASES[:3]])
@@ -119,7 +118,7 @@ def test_guided_trees_hold_only_nodes_the_grammar_allows(bundle, kind, source, q
     for drafter in drafters:
         for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
             session = drafter.open(ids, None if not drafter.needs_features else _features(model, ids))
-            guide = turn_guide(params, len(ids), grammars.guide(spec, len(ids)))
+            guide = turn_guide(params, len(ids), grammars.guide(spec))
             tree = session.draft(8, 4, params, make_generator(params), guide=guide)
             assert tree.tokens, (kind, type(drafter).__name__)
             for node, tok_id in enumerate(tree.tokens):

@@ -40,9 +40,8 @@ class RuleGuide:
     def __init__(self) -> None:
         self.asked = 0
 
-    def allowed(self, context: list[int], root: int, path: tuple[int, ...]) -> torch.Tensor:
+    def allowed(self, seq: list[int]) -> torch.Tensor:
         self.asked += 1
-        seq = context[1:root] + list(path)
         return allowed_after(seq[-1] if seq else None)
 
 
@@ -110,6 +109,18 @@ def test_guided_trees_hold_only_allowed_nodes_and_report_the_renormalised_q():
                 q[~allowed_after(prev)] = 0
                 want = {t: float(v) for t, v in enumerate(q / q.sum()) if v > 0}
                 assert dict(zip(ids, probs)) == pytest.approx(want)
+
+
+def test_a_tree_rooted_before_the_turns_output_is_not_shaped():
+    """The drafter's context may lag the turn's start (a predraft rooted before it): no grammar
+    state is known there, so its children stay the drafter's own and the grammar is not asked."""
+    generator = torch.Generator().manual_seed(0)
+    rule = RuleGuide()
+    kids = children_from_probs(Q_ROOT.float(), 3, SAMPLED, generator)
+    guide = TreeGuide(DraftGuide(SAMPLED, 2, rule), [0, 5], [1], generator)  # output begins at 2
+    assert guide.prune(0, (), kids, 3) is kids and rule.asked == 0
+    shaped = TreeGuide(DraftGuide(SAMPLED, 1, rule), [0, 5], [1], generator).prune(0, (), kids, 3)
+    assert rule.asked == 1 and not set(shaped.tokens) & set(FORBIDDEN_AT_START)
 
 
 def test_greedy_guided_trees_keep_the_drafters_likeliest_allowed_tokens():

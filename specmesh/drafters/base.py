@@ -106,14 +106,16 @@ class TreeGuide:
         target's is: penalised, then only the tokens the grammar allows."""
         g, root = self.guide, self.roots[tree]
         probs = None if kids.probs is None else kids.probs.cpu()  # the guide's tensors are on the CPU
+        if root < g.start:  # a root before the turn's output: nothing known to shape it by
+            return kids
+        seq = self.context[g.start:root] + list(path)  # the turn's output up to the node
         penalised = False
-        if kids.logits is not None and root >= g.start:
+        if kids.logits is not None:
             pen = g.penalizer(self.context, kids.logits.shape[0])
             if pen is not None:
-                seq = self.context[g.start:root] + list(path)  # the turn's output up to the node
                 probs = drafter_probs(pen.after(kids.logits.cpu()[None], [seq]), g.params)[0]
                 penalised = True
-        allowed = None if g.grammar is None else g.grammar.allowed(self.context, root, path)
+        allowed = None if g.grammar is None else g.grammar.allowed(seq)
         if allowed is None:
             if not penalised:
                 return kids

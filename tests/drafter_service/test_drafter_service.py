@@ -672,7 +672,7 @@ def test_a_drafter_with_a_tokenizer_prunes_its_trees_to_the_turns_grammar(ngram_
 
     def local(context: list[int], output: int | None) -> DraftTree:
         start = len(context) - (output or 0)
-        guide = turn_guide(GREEDY, start, None if output is None else grammars.guide(spec, start))
+        guide = turn_guide(GREEDY, start, None if output is None else grammars.guide(spec))
         return NgramDrafter().open(list(context)).draft(8, 4, GREEDY, make_generator(GREEDY), guide=guide)
 
     def allowed_only(tree: DraftTree, output: list[int]) -> None:
