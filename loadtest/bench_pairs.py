@@ -303,6 +303,7 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
                   "verify_idle_fraction": round(r.idle_s / r.seconds, 3), "verify_cost_v": round(v, 3)}
             if r.where == "tp1":
                 d["predraft_hit_rate"] = round(r.hits / r.steps, 3)
+                d["plain_steps"] = r.plain_steps  # one token each: the planner's runs without speculation
             twin = r if r.where == "inproc" or not r.pipelined else by.get(_off_twin(r.name))
             if r.drafter != "none" and twin is not None and twin.steps:
                 gc = _gamma_c(twin, unit)

@@ -67,6 +67,7 @@ class Config:
     idle_s: float = 0.0
     verify_s: float = 0.0
     hits: int = 0
+    plain_steps: int = 0       # steps of plain runs the drafter's planner asked for (no tree)
     identical: bool = True
     decode_tokens: int = 0     # tokens after the first chunk ...
     decode_s: float = 0.0      # ... and the time from the first chunk to the last (no prefill)
@@ -268,6 +269,7 @@ def run_remote(c: Config, address: dict[str, str], ids: list[int], expected: lis
     c.idle_s += sp.draft_s
     c.verify_s += sp.verify_s
     c.hits += sp.predraft_hits
+    c.plain_steps += sp.plain_steps
     if expected is not None:
         c.identical &= out == expected
     return out

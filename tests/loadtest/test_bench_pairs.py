@@ -18,7 +18,7 @@ def _rows() -> list[Row]:
         # off: 0.1 s per decode step (10 after the first in 1 s), of which 0.06 s verifying (v = 0.6), so
         # γc = 0.4; its summed wait (0.5 s: the first one held the drafter's prefill) is not used; E = 2
         Row("services default pipelining off", "tp1", "drafter", False, budget=0, depth=0, tokens=22, seconds=1.2,
-            decode_tokens=18, decode_s=1.0, steps=11, idle_s=0.5, verify_s=0.66, shape="default"),
+            decode_tokens=18, decode_s=1.0, steps=11, idle_s=0.5, verify_s=0.66, shape="default", plain_steps=3),
         Row("services default pipelining on", "tp1", "drafter", True, budget=0, depth=0, tokens=20, seconds=1.0,
             decode_tokens=18, decode_s=0.9, steps=8, idle_s=0.1, verify_s=0.96, hits=4, shape="default"),
         Row("in-process none (2 threads)", "inproc", tokens=11, seconds=0.6, decode_tokens=10, decode_s=0.5,
@@ -44,6 +44,7 @@ def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_
     assert on["decode_speedup_vs_autoregressive"] == pytest.approx(2.0)  # 20 tok/s decode vs 10
     assert on["of_bound"] == pytest.approx(2.0 / (2.5 / 1.2), abs=1e-3)
     assert on["predraft_hit_rate"] == pytest.approx(0.5)
+    assert (off["plain_steps"], on["plain_steps"]) == (3, 0)
     spec = rows["in-process speculative (2 threads)"]  # unit: the in-process plain step, 0.05 s
     assert spec["verify_cost_v"] == pytest.approx(0.8) and spec["gamma_c"] == pytest.approx(0.2)
     assert spec["of_bound"] == pytest.approx((40 / 20) / (2.5 / 1.0), abs=1e-3)
