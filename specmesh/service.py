@@ -54,13 +54,14 @@ def add_log_level_arg(p: argparse.ArgumentParser) -> None:
 def add_common_args(p: argparse.ArgumentParser, d, *, model: bool, metrics: bool) -> None:
     """The flags every service has, defaults from `d` (the config's defaults). `model`: the service
     runs a model (threads, device, dtype); `metrics`: it serves Prometheus metrics on a port."""
-    from specmesh.device import DTYPES
     from specmesh.service_token import add_token_arg
     from specmesh.tls import add_server_args
 
     flag(p, "--host", d.host, help="address to listen on (0.0.0.0: every interface)")
     flag(p, "--port", d.port, type=int, help="gRPC port (0 = a free port, printed on start)")
     if model:
+        from specmesh.device import DTYPES  # torch: only services that run a model load it
+
         flag(p, "--threads", d.threads, type=int, help="torch threads (per TP rank)")
         flag(p, "--device", d.device, help="auto (cuda when available) | cpu | cuda (TP rank r on cuda:r; choose "
                                            "the GPUs with CUDA_VISIBLE_DEVICES)")

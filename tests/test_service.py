@@ -83,3 +83,13 @@ def test_a_bad_value_from_the_environment_is_refused_too(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         VerifierConfig.from_args([])
     assert "dtype:" in capsys.readouterr().err
+
+
+def test_the_routers_settings_do_not_load_torch():
+    """The router runs no model: parsing its flags must not pull in torch (startup, memory)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from router.config import RouterConfig; RouterConfig.from_args([]); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
