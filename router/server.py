@@ -22,6 +22,7 @@ from router.config import RouterConfig
 from router.http_api import build_app
 from router.servicer import RouterServicer
 from router.turns import Router
+from specmesh.redis_server import redacted
 from specmesh.service import grpc_server, set_serving
 from specmesh.tls import server_ssl_context
 from specmesh.v1 import router_pb2, router_pb2_grpc
@@ -84,18 +85,11 @@ def serve(cfg: RouterConfig) -> None:
     asyncio.run(run())
 
 
-def _redacted(url: str) -> str:
-    """The Redis URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}"
-
-
 async def serve_until_signal(cfg: RouterConfig, router: Router) -> None:
     servers = await start(cfg, router)
     http = f" http {cfg.host}:{servers.http_port}" if servers.http_port is not None else ""
     print(f"router listening on {cfg.host}:{servers.port}{http} "
-          f"(policy={cfg.policy}, redis={_redacted(cfg.redis_url)}, tls={cfg.tls.mode}, "
+          f"(policy={cfg.policy}, redis={redacted(cfg.redis_url)}, tls={cfg.tls.mode}, "
           f"verifier_tls={'on' if cfg.peer_tls.enabled else 'off'})", flush=True)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
