@@ -97,7 +97,7 @@ def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
     features = torch.zeros(len(context) - 1, drafter.feature_dim) if drafter.needs_features else None
     session = drafter.open(context, features)
     try:
-        calibrate(session, len(context), costs)
+        calibrate(session, context, costs, feature_dim=drafter.feature_dim if drafter.needs_features else 0)
     finally:
         session.close()
     return costs

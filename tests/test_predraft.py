@@ -727,7 +727,7 @@ def test_calibration_prices_fed_tokens_apart_and_leaves_the_session_as_it_was(ti
 
     ctx = [3, 14, 15, 9, 26, 5, 35, 8]
     session, costs = ModelDrafter(tiny_model).open(ctx), Costs()
-    calibrate(session, len(ctx), costs, rounds=1)
+    calibrate(session, ctx, costs, rounds=1)
     assert costs.draft.calibrated and costs.draft_many.calibrated
     assert all(c >= 0 for c in costs.draft.coef + costs.draft_many.coef)
     assert session.context == ctx
@@ -735,3 +735,26 @@ def test_calibration_prices_fed_tokens_apart_and_leaves_the_session_as_it_was(ti
     fresh = ModelDrafter(tiny_model).open(ctx).draft(6, 3, GREEDY, gen)
     again = session.draft(6, 3, GREEDY, gen)
     assert (again.tokens, again.parents) == (fresh.tokens, fresh.parents)
+
+
+def test_calibration_feeds_committed_tokens_it_never_drafted(tiny_model) -> None:
+    """The catch-up samples commit tokens that were never drafted, as a run of plain steps does, so
+    the session really feeds them before its tree: the fed term is measured over the range live
+    calls use (up to PROBE_EVERY tokens), not left at zero by reused drafted K/V."""
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.drafters.predraft import CALIBRATION_FED, PROBE_EVERY, calibrate
+
+    ctx = [3, 14, 15, 9, 26, 5, 35, 8]
+    session = ModelDrafter(tiny_model).open(ctx)
+    seen: list[int] = []
+    draft = session.draft
+
+    def recording(*args, **kwargs):
+        seen.append(session.behind)
+        return draft(*args, **kwargs)
+
+    session.draft = recording
+    calibrate(session, ctx, Costs(), rounds=1)
+    assert max(CALIBRATION_FED) >= PROBE_EVERY
+    assert max(seen) >= max(CALIBRATION_FED) - 1  # the last committed token stays pending
+    assert session.context == ctx

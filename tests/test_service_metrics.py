@@ -138,7 +138,7 @@ def test_drafter_exports_what_its_planner_weighs():
     m, costs, recent = DrafterMetrics(lambda: 1), Costs(), Acceptance()
     m.watch_planner(costs, recent)
     ctx = [5, 6, 7, 5, 6, 7, 5, 6]
-    calibrate(NgramDrafter().open(ctx), len(ctx), costs)
+    calibrate(NgramDrafter().open(ctx), ctx, costs)
     ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), SamplingParams(), pipelined=False, costs=costs,
                        recent=recent)
     st = ahead.first(4, 4)

@@ -63,9 +63,11 @@ from specmesh.tree import ROOT, DraftTree, children_of, main_path, subtree, trim
 __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "SessionClosedError", "main_path",
            "subtree", "trim", "trim_nodes", "predraft_shape", "pick_predrafted", "useful_depth", "next_tree_from",
            "draft_generator", "calibrate"]
-PRIOR_OBSERVATIONS = 32.0  # what the drafter's recent sessions weigh in a new session's acceptance
+# What the drafter's recent sessions weigh in a new session's acceptance: a few of the session's own
+# steps outweigh it, since acceptance differs between prompts (code, prose) far more than within one.
+PRIOR_OBSERVATIONS = 8.0
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
-PROBE_EVERY = 16  # plain steps in a row after which one tree is drafted anyway ...
+PROBE_EVERY = 8  # plain steps in a row after which one tree is drafted anyway ...
 MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
 
 
@@ -429,30 +431,35 @@ def _accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
 
 
 CALIBRATION_SHAPES = ((1, 1), (2, 2), (4, 4), (8, 2), (16, 2), (16, 4))  # (budget, depth): levels and width apart
-CALIBRATION_FED = (4, 12)  # committed tokens fed before a tree: the catch-up term apart
+CALIBRATION_FED = (2, 8)  # committed tokens fed before a tree, up to a plain run's (PROBE_EVERY)
 
 
-def calibrate(session: DraftSession, context_len: int, costs: Costs, rounds: int = 2) -> None:
+def calibrate(session: DraftSession, context: list[int], costs: Costs, rounds: int = 2,
+              feature_dim: int = 0) -> None:
     """Measure a drafter's cost by levels, rows and fed tokens before the first request: chains
-    and wide trees, and chains after a few committed tokens (a drafted chain's path, taken as
-    committed), and where the session has `draft_many`, trees at 2 and 4 roots at once; each shape
-    `rounds` times after one untimed call. Takes the shapes of `costs.draft` / `costs.draft_many`
-    from them (`LinearCost.fit_shape`: live calls then only rescale them). `session`: opened on
-    `context_len` >= 2 tokens the drafter accepts; the caller closes it."""
+    and wide trees, and trees after committed tokens the session never drafted (as after a run of
+    plain steps: it must feed them all first), and where the session has `draft_many`, trees at 2
+    and 4 roots at once; each shape `rounds` times after one untimed call. Takes the shapes of
+    `costs.draft` / `costs.draft_many` from them (`LinearCost.fit_shape`: live calls then only
+    rescale them). `session`: opened on `context` (>= 2 tokens the drafter accepts); the caller
+    closes it. `feature_dim`: a feature drafter's, whose commits take the target's features
+    (zeros here: what a call costs does not depend on their values)."""
     params = SamplingParams()
     gen = draft_generator(params)
     session.draft(4, 2, params, gen)  # first calls allocate and page weights in
+    n = len(context)
 
     def timed(fed: int, call):
         if fed:
-            tree = session.draft(fed, fed, params, gen)
-            session.commit([tree.tokens[i] for i in main_path(tree)])
+            session.rollback(n)  # forgets the last tree too: nothing below is a drafted path
+            tokens = [context[1 + i % (n - 1)] for i in range(fed)]
+            session.commit(tokens, torch.zeros(fed, feature_dim) if feature_dim else None)
         behind = getattr(session, "behind", 0)
         t = time.perf_counter()
         trees = call()
         seconds = time.perf_counter() - t
         if fed:
-            session.rollback(context_len)
+            session.rollback(n)
         return (*map(float, planner.draft_work(trees)), float(behind), 1.0), seconds
 
     samples = [timed(0, lambda b=b, d=d: [session.draft(b, d, params, gen)]) for b, d in CALIBRATION_SHAPES * rounds]
@@ -460,7 +467,7 @@ def calibrate(session: DraftSession, context_len: int, costs: Costs, rounds: int
     costs.draft.fit_shape(samples)
     if hasattr(session, "draft_many"):
         def many(roots: int, budget: int, depth: int):
-            ends = [context_len - 1, context_len] * (roots // 2)
+            ends = [n - 1, n] * (roots // 2)
             return lambda: session.draft_many(ends, budget, depth, params, gen, [()] * len(ends))
 
         shapes = [(0, 2, 4, 2), (0, 2, 8, 4), (0, 4, 4, 2), (0, 4, 8, 3), (8, 2, 4, 2), (8, 4, 8, 3)]
