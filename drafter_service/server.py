@@ -94,10 +94,10 @@ def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
     a call costs does not depend on their values)."""
     costs = Costs()
     context = list(range(1, 1 + min(16, vocab_size or 16)))
-    features = torch.zeros(len(context) - 1, drafter.feature_dim) if drafter.needs_features else None
-    session = drafter.open(context, features)
+    dim = drafter.feature_dim if drafter.needs_features else 0
+    session = drafter.open(context, torch.zeros(len(context) - 1, dim) if dim else None)
     try:
-        calibrate(session, context, costs, feature_dim=drafter.feature_dim if drafter.needs_features else 0)
+        calibrate(session, context, costs, feature_dim=dim)
     finally:
         session.close()
     return costs

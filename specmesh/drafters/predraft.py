@@ -431,7 +431,7 @@ def _accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
 
 
 CALIBRATION_SHAPES = ((1, 1), (2, 2), (4, 4), (8, 2), (16, 2), (16, 4))  # (budget, depth): levels and width apart
-CALIBRATION_FED = (2, 8)  # committed tokens fed before a tree, up to a plain run's (PROBE_EVERY)
+CALIBRATION_FED = (2, PROBE_EVERY)  # committed tokens fed before a tree, up to a plain run's
 
 
 def calibrate(session: DraftSession, context: list[int], costs: Costs, rounds: int = 2,
