@@ -53,6 +53,11 @@ class DrafterMetrics:
                              for term, i in (("base", 0), ("row", 1))}, ("when", "term")))
         r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
                     lambda: costs.link_s))
+        r.add(Gauge(PREFIX + "step_period_ratio",
+                    "Measured step periods over the planner's predictions, for steps with drafting beside the "
+                    "verification (overlapped) and without (sequential).",
+                    lambda: {(kind,): costs.period_ratio(kind == "overlapped") for kind in ("sequential", "overlapped")},
+                    ("kind",)))
         r.add(Gauge(PREFIX + "acceptance", "Recent sessions' acceptance given the parent accepted and elder siblings not.",
                     lambda: {(str(d + 1), str(k)): recent.rate(d + 1, k) for d in range(len(recent.tried))
                              for k in range(len(recent.tried[d])) if recent.tried[d][k] > 0}, ("depth", "rank")))

@@ -150,7 +150,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_length("tokens", (e.keep or session.position) + len(e.tokens))
                 grammar = None if e.same_turn else self._grammar(e)
                 step = session.extend(list(e.tokens), e.budget, e.depth, e.keep,
-                                      self._features(e.features, len(e.tokens)), grammar, e.same_turn)
+                                      self._features(e.features, len(e.tokens)), grammar, e.same_turn, arrived)
             else:
                 raise RequestError("kind: one of open, extend, commit or close is required")
         except ValueError as exc:

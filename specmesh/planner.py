@@ -25,6 +25,11 @@ a run), maximising expected tokens per second:
   (probability h(S): the outcome is in S and the bonus is one of the predraft's candidates, whose
   odds are the candidates' rank rates times the session's observed/predicted bonus hits) the next
   tree is ready at max(V, P); on a miss the drafter drafts afresh after that: max(V, P) + D.
+- no speculation: V(1 row) per token, plus feeding that token to the drafter before its next tree,
+  or (pipelined) feeding it beside the verifier's steps.
+Pipelined steps are then scaled by `Costs.overlap_factor`: how much further measured step periods
+ran from their predictions with work overlapped than without. What the cost terms cannot see
+(two processes whose threads contend for the same cores) so turns pipelining off by measurement.
 This module knows nothing of sessions, transport or models.
 """
 
@@ -43,6 +48,8 @@ MAX_RANKS = 8  # sibling ranks tracked (deeper ranks share the last)
 MAX_LEVELS = 17  # depths tracked (a predraft is one level deeper than a tree)
 PRIOR_ACCEPT = (0.5, 0.15)  # prior acceptance of rank 0 and of later ranks, before any evidence
 PRIOR_WEIGHT = 2.0  # observations the prior is worth
+PERIOD_PRIOR = 2.0  # steps that "the prediction was right" is worth in `Costs.period_ratio`
+PERIOD_FORGET = 0.97  # each measured step period weighs this much less with every later one
 
 
 class LinearCost:
@@ -143,6 +150,9 @@ class Costs:
     verify_overlapped: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))
     link_s: float = 0.002
     verify_points: tuple[tuple[int, float], ...] = ()  # the verifier's calibration, as last taken
+    # measured step periods and what the plans predicted for them, decayed sums, [sequential,
+    # overlapped] (`add_period`)
+    _periods: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
     def set_verify_cost(self, points) -> None:
         """The verifier's own steps measured at its start, (rows, seconds): the shape of both
@@ -164,6 +174,36 @@ class Costs:
         """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
         fit = self.draft_many if self.draft_many.samples or self.draft_many.calibrated else self.draft
         return fit(levels, rows, fed, 1.0)
+
+    def add_period(self, overlapped: bool, predicted: float, measured: float) -> None:
+        """One step's period as the drafter saw it (from the commit before to this step's commit),
+        against the `Plan.step_s` the plan that chose the step predicted; `overlapped`: that plan
+        put work beside the verification (predrafts, or a plain run's tokens fed beside it)."""
+        if not (predicted > 0 and measured > 0 and math.isfinite(measured)):
+            return
+        for kind in self._periods:
+            kind[:] = [PERIOD_FORGET * x for x in kind]
+        kind = self._periods[int(overlapped)]
+        kind[0] += measured
+        kind[1] += predicted
+        kind[2] += 1.0
+
+    def period_ratio(self, overlapped: bool) -> float:
+        """Measured over predicted step period, for plans of that kind: the ratio of the decayed
+        sums (a hit step's short period and a miss's long one average out, as the plan's expected
+        step does), shrunk towards 1 by PERIOD_PRIOR steps."""
+        measured, predicted, n = self._periods[int(overlapped)]
+        if predicted <= 0:
+            return 1.0
+        return (n * measured / predicted + PERIOD_PRIOR) / (n + PERIOD_PRIOR)
+
+    def overlap_factor(self) -> float:
+        """What an overlapped plan's predicted step is multiplied by: how much further its steps
+        measured from their predictions than sequential steps did. The cost model prices what it
+        measures apart (a verification with predrafts beside it, each draft call); what it cannot
+        see, such as two processes whose threads contend for the same cores, shows here, and
+        pipelining is then planned only where its measured steps win."""
+        return self.period_ratio(True) / self.period_ratio(False)
 
     def add_link(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
@@ -318,6 +358,12 @@ class Plan:
     tokens_per_step: float = 1.0
     step_s: float = 0.0
     hit: float = 0.0
+    feed: bool = False  # no speculation: the drafter feeds the committed tokens beside the verifier's steps
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether the plan puts drafter work beside the verification."""
+        return bool(self.outcomes) or self.feed
 
     @property
     def tokens_per_s(self) -> float:
@@ -364,11 +410,15 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     table = rates(acc)
     calibration = acc.bonus_calibration
     best: Plan | None = None
+    overlap = costs.overlap_factor() if pipelined else 1.0
     if not (fixed or speculate):
-        # the drafter feeds each committed token once anyway: pipelined, while the verifier steps;
-        # else the next tree waits for it
-        catch_up = 0.0 if pipelined else costs.draft(0.0, 0.0, 1.0, 0.0)
-        best = Plan(0, 0, (), 0, 1.0, costs.verify_s(1, False) + costs.link_s / max(1, plain_run) + catch_up)
+        # the drafter feeds each committed token once anyway: later, before the next tree, or
+        # (pipelined) beside the verifier's steps, at the measured price of overlapping
+        step = costs.verify_s(1, False) + costs.link_s / max(1, plain_run)
+        best = Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0))
+        if pipelined:
+            ahead = Plan(0, 0, (), 0, 1.0, step * overlap, feed=True)
+            best = ahead if ahead.tokens_per_s > best.tokens_per_s else best
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
@@ -391,7 +441,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     # draft_many call, or one call each
                     pre = (costs.many(levels, m * rows, held) if batched and m > 1
                            else m * costs.draft(levels, rows, held / m, 1.0))
-                    step = max(v, pre) + (1.0 - hit) * fresh
+                    step = (max(v, pre) + (1.0 - hit) * fresh) * overlap
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
         for p in options:
             if best is None or p.tokens_per_s > best.tokens_per_s:

@@ -249,6 +249,44 @@ def test_a_verification_slowed_by_predrafting_beside_it_turns_pipelining_off() -
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes == ()
 
 
+def test_overlapped_steps_measured_slower_than_predicted_turn_pipelining_off() -> None:
+    """What the cost terms cannot see (a drafter and a verifier contending for the same cores)
+    shows in the measured step periods: once overlapped steps run 1.5x their predictions while
+    sequential ones run as predicted, neither predrafts nor a plain run's feeding beside the
+    verifier are planned; sequential steps measured since then bring pipelining back in time."""
+    acc = _acceptance(0.8)
+    costs = _costs(0.01, 0.002, 0.05, fed_s=0.001)
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes
+    for _ in range(10):
+        costs.add_period(True, 0.1, 0.15)
+        costs.add_period(False, 0.1, 0.1)
+    assert costs.overlap_factor() == pytest.approx(1.5, rel=0.1)
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes == ()
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True, fixed=True).outcomes == ()
+    slow = _costs(0.2, 0.01, 0.06, 0.03, link_s=0.02, fed_s=0.01)  # no tree pays: a plain run
+    slow._periods = costs._periods
+    plain = plan(slow, acc, 8, 4, pipelined=True, batched=True, plain_run=4)
+    assert (plain.budget, plain.feed) == (0, False)
+    assert plain.tokens_per_s == pytest.approx(1 / 0.105)  # V + link / 4 + the token fed later
+    assert not plan(costs, acc, 8, 4, pipelined=False, batched=True).overlapped  # sequential: no factor
+    for _ in range(200):
+        costs.add_period(False, 0.1, 0.1)
+    assert costs.overlap_factor() < 1.01
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes
+
+
+def test_period_ratio_averages_hits_and_misses_as_the_plan_does() -> None:
+    """A pipelined plan predicts the mean of a short hit step and a long miss: steps measured
+    at exactly those two lengths, half and half, are on prediction (ratio of sums, not a mean
+    of per-step ratios, which would call them fast)."""
+    costs = Costs()
+    for _ in range(50):
+        costs.add_period(True, 0.2, 0.1)
+        costs.add_period(True, 0.2, 0.3)
+    assert costs.period_ratio(True) == pytest.approx(1.0, abs=0.01)
+    assert costs.period_ratio(False) == 1.0
+
+
 def test_no_speculation_when_it_is_predicted_slower() -> None:
     """A drafter whose one level costs more than the verifier's step, and every row of the
     verification costing a third of a step: the empty tree (the verifier's one-row step) wins,

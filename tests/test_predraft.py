@@ -290,6 +290,27 @@ def test_a_drafter_slower_than_the_verification_does_not_predraft() -> None:
     assert fast.plan.outcomes and fast.wants_predraft
 
 
+def test_steps_slower_than_planned_beside_predrafts_turn_them_off() -> None:
+    """Each commit's arrival, less the one before, is the period of the step it ends, measured
+    against what the plan that chose the step predicted. Predrafting steps that come far slower
+    than planned (what contention for shared cores does, unseen by the cost terms) while nothing
+    was measured without them: predrafting stops."""
+    ahead = DraftAhead(_Recording(_Counting(list(range(14))), delay_s=0.001), 14, GREEDY, pipelined=True,
+                       costs=eager())
+    st = ahead.first(4, 4)
+    arrived = 0.0
+    for step in range(2):
+        assert ahead.plan.outcomes
+        while ahead.predraft():
+            pass
+        arrived += 20.0  # against a planned step of about one verification, 0.2-1 s
+        h = [st.tree.tokens[i] for i in main_path(st.tree)]
+        st = ahead.commit(step, h, 99, 4, 4, arrived_at=arrived, verify_s=0.2)
+    # the first step's period (from the open) is not measured; the second's was
+    assert ahead.costs.period_ratio(True) > 5 and ahead.costs.period_ratio(False) == 1.0
+    assert ahead.plan.outcomes == () and not ahead.wants_predraft
+
+
 def test_the_link_is_measured_to_the_commits_arrival() -> None:
     """A commit that waited for a predraft in progress arrived sooner than it is handled: the
     window is measured to its arrival, less the verification the verifier reports."""

@@ -143,13 +143,17 @@ def test_drafter_exports_what_its_planner_weighs():
                        recent=recent)
     st = ahead.first(4, 4)
     h = [st.tree.tokens[i] for i in main_path(st.tree)]
-    ahead.commit(0, h[:1], 99, 4, 4, verify_s=0.25)
+    ahead.commit(0, h[:1], 99, 4, 4, verify_s=0.25, arrived_at=1.0)
+    ahead.commit(1, [], 98, 4, 4, arrived_at=3.0)  # a step that took 2 s: far over its plan
     s = parse_prometheus(m.render())
     p = "specmesh_drafter_"
     assert s[p + 'draft_cost_seconds{call="draft",term="level"}'] == costs.draft.coef[0]
-    rows = 1 + len(st.tree)  # the pending token and the nodes
+    rows = 1 + len(st.tree)  # the pending token and the nodes of the tree verified in 0.25 s
     assert s[p + 'verify_cost_seconds{when="alone",term="base"}'] + rows * s[p + 'verify_cost_seconds{when="alone",term="row"}'] == \
         pytest.approx(0.25, rel=1e-2)
+    assert s[p + 'step_period_ratio{kind="sequential"}'] == pytest.approx(costs.period_ratio(False))
+    assert costs.period_ratio(False) > 2
+    assert s[p + 'step_period_ratio{kind="overlapped"}'] == 1.0
     assert s[p + 'acceptance{depth="1",rank="0"}'] == pytest.approx(recent.rate(1, 0))
     assert s[p + 'acceptance{depth="2",rank="0"}'] == pytest.approx(recent.rate(2, 0))
 

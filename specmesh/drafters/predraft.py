@@ -151,6 +151,8 @@ class DraftAhead:
         self._closed = False
         self._sent_at = 0.0
         self._overlapped = False
+        self._sent_plan: Plan | None = None  # the plan that chose the tree last sent
+        self._period_from: float | None = None  # when the step of the tree last sent began (None: the first)
         self._plain_steps = 0  # empty trees sent in a row
 
     def first(self, budget: int, depth: int) -> StepTree:
@@ -182,7 +184,9 @@ class DraftAhead:
                                  f"{len(accepted)} accepted tokens and bonus {bonus}")
             if pred is not None:
                 self._observe_bonus(accepted, pred, tree is not None)
-            self._measure(accepted, time.perf_counter() if arrived_at is None else arrived_at, verify_s)
+            arrived = time.perf_counter() if arrived_at is None else arrived_at
+            self._measure(accepted, arrived, verify_s)
+            self._measure_period(arrived, 1)
             if pred is not None and self._held >= len(accepted):
                 # 1. the session holds the accepted path (a feature drafter holds it with
                 # predicted features: the verifier's replace them), and maybe more of the main path
@@ -198,17 +202,24 @@ class DraftAhead:
             self._held = 0
             if tree is not None:
                 self.hits += 1
-                return self._send(tree, budget, depth, True)
+                return self._send(tree, budget, depth, True, self._next)
             return self._send_fresh(budget, depth)
 
     def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
-               features: torch.Tensor | None = None, grammar=None, same_turn: bool = False) -> StepTree:
+               features: torch.Tensor | None = None, grammar=None, same_turn: bool = False,
+               arrived_at: float | None = None) -> StepTree:
         """New committed tokens that did not come from verification, after keeping only the first
         `keep` committed ones (0 = all); returns a fresh tree for the next step. The tree last sent
         (never committed) is dropped. A new turn's grammar is `grammar` (None: none); `same_turn`:
-        the tokens are the current turn's output (a plain run), its grammar and counts go on."""
+        the tokens are the current turn's output (a plain run), its grammar and counts go on.
+        `arrived_at`: as for `commit`."""
         with self._lock:
             self._check_open()
+            arrived = time.perf_counter() if arrived_at is None else arrived_at
+            if same_turn and self._tree is not None and not self._tree.tokens:
+                self._measure_period(arrived, len(tokens))  # the plain run the empty tree asked for
+            else:
+                self._period_from = arrived  # a new turn: the time since the last step was not a step
             if not same_turn:
                 self.guide = turn_guide(self.params, (keep or self.position) + len(tokens), grammar)
             keep = keep or self.position
@@ -244,7 +255,9 @@ class DraftAhead:
         with self._lock:
             if not self.pipelined or self._closed or self._tree is None:
                 return False
-            return bool(self.plan and self._todo) or (not self._tree.tokens and self._behind() > 0)
+            if not self._tree.tokens:  # a plain run: feed its committed tokens beside it, if so planned
+                return self._sent_plan is not None and self._sent_plan.feed and self._behind() > 0
+            return bool(self.plan and self._todo)
 
     def predraft(self) -> bool:
         """One unit of predrafting for the tree last sent (one planned outcome, or every one at
@@ -339,6 +352,13 @@ class DraftAhead:
             fit.add((1.0, 1.0 + len(self._tree)), verify_s)
             self.costs.add_link(arrived - self._sent_at - verify_s)
 
+    def _measure_period(self, arrived: float, steps: int) -> None:
+        """The step of the tree last sent (`steps` one-row steps for a plain run) took from the
+        commit before to `arrived`: against what the plan that chose it predicted."""
+        p, began, self._period_from = self._sent_plan, self._period_from, arrived
+        if p is not None and began is not None:
+            self.costs.add_period(p.overlapped, steps * p.step_s, arrived - began)
+
     def _observe_bonus(self, accepted: list[int], pred: "Predraft", hit: bool) -> None:
         """The outcome of a predraft came: was the bonus among its candidates, against what the
         planner's `bonus_hit` predicted for it (before this step's acceptance is counted)."""
@@ -385,14 +405,15 @@ class DraftAhead:
         tokens in one call later."""
         p = (self.plan if self._caps == (budget, depth) else None) or self._plan(budget, depth)
         if p.budget == 0:
-            return self._send(DraftTree.empty(), budget, depth, False, self._plain_run())
+            return self._send(DraftTree.empty(), budget, depth, False, p, self._plain_run())
         behind = self._behind()
         t = time.perf_counter()
         tree = self.session.draft(p.budget, p.depth, self.params, self.generator, **guided(self.guide))
         self._add_draft_cost([tree], time.perf_counter() - t, behind)
-        return self._send(tree, budget, depth, False)
+        return self._send(tree, budget, depth, False, p)
 
-    def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool, plain: int = 0) -> StepTree:
+    def _send(self, tree: DraftTree, budget: int, depth: int, predrafted: bool, plan: Plan | None,
+              plain: int = 0) -> StepTree:
         self.step += 1
         self.steps += 1
         self._plain_steps = 0 if tree.tokens else self._plain_steps + max(1, plain)
@@ -403,6 +424,7 @@ class DraftAhead:
         self._next, self._caps, self._todo = None, (budget, depth), []
         self._sent_at = time.perf_counter()
         self._overlapped = False  # whether a predraft ran while this tree was being verified
+        self._sent_plan = plan
         return StepTree(self.step, self.position, tree, predrafted, plain)
 
     def _outcomes(self, plan: Plan) -> list[int]:
