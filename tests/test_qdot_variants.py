@@ -12,17 +12,19 @@ from specmesh.kernels import qdot
 from tests.test_gguf_format import _reference
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason=f"integer kernel unavailable: {qdot.reason()}")
-FORMS = [(4, "fp32"), (4, "super"), (6, "super"), (8, "fp32"), (4, "half1"), (6, "half2"), (8, "half2"), (8, "half1")]
+FORMS = [(4, "fp32"), (4, "super"), (6, "super"), (4, "super16"), (6, "super16"), (8, "fp32"), (4, "half1"),
+         (6, "half2"), (8, "half2"), (8, "half1")]
 SEVERAL = pytest.mark.skipif(len(qdot.runnable()) < 2, reason="this CPU runs only the AVX2 build")
 
 
 def _layer(bits: int, n: int, k: int, form: str, g: torch.Generator) -> tuple[qdot.Packed, tuple]:
     """A random layer in one (scale, bias) form: fp32 pairs, fp16 pairs per group (half1) or per
-    two groups (half2: a GGUF 32-block in 16-groups), or K-quant super-blocks (super)."""
+    two groups (half2: a GGUF 32-block in 16-groups), or K-quant super-blocks with fp32 (super) or,
+    as GGUF files hold them, fp16 (super16) values of d and dm."""
     lo, hi = qdot.CODES[bits]
     q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int16)
     gs = qdot.GROUP[bits]
-    if form != "super":
+    if not form.startswith("super"):
         share = 2 if form == "half2" else 1
         scale, offset = torch.rand(n, k // gs // share, generator=g) * 0.01, torch.randn(n, k // gs // share, generator=g) * 0.01
         if form != "fp32":
@@ -31,9 +33,12 @@ def _layer(bits: int, n: int, k: int, form: str, g: torch.Generator) -> tuple[qd
         assert (p.sb.dtype, p.s) == ((torch.float32, 0) if form == "fp32" else (torch.half, share))
         return p, (q, scale, offset)
     d, dm = torch.rand(n, k // 256, generator=g) * 1e-3, -torch.rand(n, k // 256, generator=g) * 1e-3
+    if form == "super16":
+        d, dm = d.half().float(), dm.half().float()
     sc = torch.randint(-64, 64, (n, k // gs), generator=g, dtype=torch.int8)
     mn = None if bits == 6 else torch.randint(0, 64, (n, k // gs), generator=g, dtype=torch.int8)
     p = qdot.pack_super(q, d, dm, sc, mn, bits)
+    assert p.sb.dtype == (torch.half if form == "super16" else torch.float32)
     _, scale, offset = qdot.unpack(p)
     return p, (q, scale, offset)
 
@@ -128,3 +133,23 @@ def test_fp16_pairs_give_the_fp32_pairs_bits_in_fewer_bytes(bits, form):
     assert bits_per_weight == {4: 5.0, 6: 7.0, 8: 9.0}[bits]  # fp32 pairs per 16-group: 6, 10, 12
     uq, us, uo = qdot.unpack(p)
     assert torch.equal(uq, q) and torch.equal(us, scale) and torch.equal(uo, offset)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_fp16_super_blocks_give_the_fp32_ones_bits_in_fewer_bytes(bits):
+    """A GGUF K-quant's d and dmin are fp16 values: held as fp16, every output is what the same
+    super-blocks held in fp32 give, to the bit, at Q4_K 4.625 bits a weight (fp32: 4.75; the file
+    4.5) and Q6_K 6.625 (6.75; 6.5625)."""
+    g = torch.Generator().manual_seed(8)
+    p, _ = _layer(bits, 40, 512, "super16", g)
+    fp32 = qdot.Packed(p.codes, p.sb.float().contiguous(), p.sc, p.n, p.k, bits, p.s)
+    x = torch.randn(9, 512, generator=g)
+    for v, op in qdot._State.ops.items():
+        for threads in (1, 2):
+            for m in (1, 3, 9):
+                assert torch.equal(op(x[:m], p.codes, p.sb, p.sc, p.n, bits, p.s, threads),
+                                   op(x[:m], fp32.codes, fp32.sb, fp32.sc, fp32.n, bits, p.s, threads)), (v, threads, m)
+    nb = p.codes.shape[0]
+    bits_per_weight = 8 * (p.codes.numel() + p.sb.numel() * 2 + p.sc.numel()) / (nb * 8 * 512)
+    assert bits_per_weight == {4: 4.625, 6: 6.625}[bits]
+    assert all(torch.equal(a, b) for a, b in zip(qdot.unpack(p), qdot.unpack(fp32)))

@@ -4,7 +4,7 @@ to int8 in blocks of 32 (as llama.cpp quantizes activations for GGUF blocks). Th
 (`bits`): 4-bit codes in groups of 32 (GGUF Q4_0, Q4_1, Q4_K); codes 0..63 in 6 bits, groups of 16
 (6: Q6_K, and Q5_0/Q5_1 as pairs of groups); signed byte codes in groups of 16 (8: Q8_0). The
 (scale, bias) pairs are fp32 per group (`pack`), or, for GGUF K-quants, in the file's own form
-(`pack_super`): fp32 (d, dm) per super-block, int8 multipliers per group.
+(`pack_super`): (d, dm) per super-block (fp16, as the file holds them), int8 multipliers per group.
 Integer dot products (AVX2 maddubs), a block of 8 output rows unpacked once for up
 to 8 activation rows: an extra row costs a fraction of the first, which is what tree verification
 and batching pay.
@@ -70,8 +70,8 @@ class _State:
 class Packed:
     """The kernel's weight layout: codes [N/8, K/GS, 128] uint8 (96 for bits 6); s 0: sb
     [N/8, K/GS, 2, 8] fp32 (scale, bias); sb fp16: [N/8, K/GS/s, 2, 8] (scale, bias), one pair per
-    s groups, sc empty; else s > 0: sb [N/8, K/GS/s, 2, 8] fp32 (d, dm) and sc [N/8, K/GS, P, 8]
-    int8 (sc, and mn when P is 2)."""
+    s groups, sc empty; else s > 0: sb [N/8, K/GS/s, 2, 8] (d, dm), fp16 where every value is one,
+    else fp32, and sc [N/8, K/GS, P, 8] int8 (sc, and mn when P is 2)."""
     codes: torch.Tensor
     sb: torch.Tensor
     sc: torch.Tensor
@@ -141,7 +141,7 @@ def _timed_layers(bits: int, g: torch.Generator, budget_bytes: int = 64 << 20) -
         s = torch.rand(n, groups, generator=g) * 1e-3
         first = pack(q, s, torch.zeros_like(s), bits)
     else:
-        d = torch.rand(n, groups // 16 if bits == 6 else groups // 8, generator=g) * 1e-3
+        d = (torch.rand(n, groups // 16 if bits == 6 else groups // 8, generator=g) * 1e-3).half().float()
         sc = torch.randint(-64, 64, (n, groups), generator=g, dtype=torch.int8)
         first = pack_super(q, d, -d, sc, None if bits == 6 else sc, bits)
     copies = max(2, budget_bytes // first.codes.numel())
@@ -317,13 +317,16 @@ def pack_super(q: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, sc: torch.Ten
                bits: int) -> Packed:
     """From w = q * (d * sc) + dm * mn per group, a GGUF K-quant's own form: d, dm [N, K / GROUP /
     s] fp32 per super-block of s groups, sc, mn [N, K / GROUP] int8 multipliers (mn None: mn = sc,
-    one plane)."""
+    one plane). Where every d and dm is an fp16 value (the file's own fp16 d and dmin; Q6_K's
+    -32 d), they are held in fp16: the same numbers in half the bytes."""
     n, k = q.shape
     nb, g = -(-n // LANES), k // GROUP[bits]
     s = g // d.shape[1]
     if s * d.shape[1] != g or dm.shape != d.shape or sc.shape != (n, g) or (mn is not None and mn.shape != sc.shape):
         raise ValueError("integer kernel: super-block parameters do not match the codes")
-    sb = torch.stack([_by_block(d.float(), nb), _by_block(dm.float(), nb)], 2).contiguous()  # [NB, G/s, 2, 8]
+    d, dm = d.float(), dm.float()
+    sb = torch.stack([_by_block(d, nb), _by_block(dm, nb)], 2)  # [NB, G/s, 2, 8]
+    sb = (sb.half() if _fp16_exact(d) and _fp16_exact(dm) else sb).contiguous()
     mults = [sc] if mn is None else [sc, mn]
     planes = torch.stack([_by_block(m.to(torch.int8), nb) for m in mults], 2).contiguous()  # [NB, G, P, 8]
     return Packed(_pack_codes(q, bits), sb, planes, n, k, bits, s)
@@ -349,10 +352,10 @@ def unpack(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = lambda a: a.permute(0, 2, 1).reshape(nb * LANES, -1)  # noqa: E731 - [NB, G, 8] -> [NB*8, G]
     if p.s == 0:
         scale, bias = rows(p.sb[:, :, 0]), rows(p.sb[:, :, 1])
-    elif p.sb.dtype == torch.half:
+    elif not p.sc.numel():  # fp16 (scale, bias) pairs
         scale, bias = (rows(p.sb[:, :, j]).float().repeat_interleave(p.s, 1) for j in (0, 1))
     else:
-        d, dm = (rows(p.sb[:, :, j]).repeat_interleave(p.s, 1) for j in (0, 1))
+        d, dm = (rows(p.sb[:, :, j]).float().repeat_interleave(p.s, 1) for j in (0, 1))
         sc = rows(p.sc[:, :, 0]).float()
         mn = rows(p.sc[:, :, 1]).float() if p.sc.shape[2] == 2 else sc
         scale, bias = d * sc, dm * mn

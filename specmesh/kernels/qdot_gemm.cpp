@@ -11,10 +11,11 @@
 //   fp16 pairs (P 3, `HALF`): one fp16 pair per S groups (S 1, or 2: a GGUF 32-block split into two
 //        16-groups), for types whose scale and bias are fp16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
 //        the same numbers as fp32 pairs, a quarter to a half of their bytes;
-//   S > 0 (GGUF K-quants, the file's own form): per super-block of S groups an fp32 pair (d, dm), per
+//   S > 0 (GGUF K-quants, the file's own form): per super-block of S groups a pair (d, dm), per
 //        group int8 multipliers (sc, mn): scale = d * sc, bias = dm * mn, each one fp32 product, as
-//        the file's dequantization computes it (Q4_K: 4.75 bits a weight, Q6_K: 6.75, as shipped).
-//        P 1 plane of multipliers (mn = sc: Q6_K) or 2.
+//        the file's dequantization computes it. P 1 plane of multipliers (mn = sc: Q6_K) or 2. The
+//        pair is fp16 (P 4 and 5 for 1 and 2 planes: the file's own fp16 d and dmin, Q4_K 4.625 bits
+//        a weight, Q6_K 6.625) or, where a value is not an fp16 one, fp32 (4.75, 6.75).
 // y[m, n] = sum_g scale[n, g] * dx[m, g] * (sum_k in g q[n, k] xq[m, k]) + bias[n, g] * xs[m, g],
 // xs = dx * sum of xq over the group. The integer sums are exact; the fp32 part is, per output, one
 // fixed sequence (groups ascending, two FMAs each) whatever M, the tiling or the thread split: the
@@ -39,7 +40,8 @@
 //           2h in the low nibble and 2h + 1 in the high, bytes [64, 96) chunk c's top 2 bits at bit 2c.
 //   S 0: sb [N/8, K/GS, 2, 8] float: the 8 rows' scales, then their biases.
 //   HALF: sb [N/8, K/GS/S, 2, 8] half, as for S 0.
-//   S > 0: sb [N/8, K/GS/S, 2, 8] float: d, then dm; sc [N/8, K/GS, P, 8] int8: sc, then mn.
+//   S > 0: sb [N/8, K/GS/S, 2, 8] float (P 1, 2) or half (P 4, 5): d, then dm; sc [N/8, K/GS, planes, 8]
+//          int8: sc, then mn.
 // Rows past N are zero padding.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -68,6 +70,9 @@ constexpr int XB = 32;    // activation quantization block
 // and the hardware prefetcher alone left the core waiting (1.1-1.2x slower decode steps).
 constexpr int PF = 24;
 constexpr int HALF = 3;  // P of fp16 (scale, bias) pairs
+// P of super-blocks: 1 or 2 planes of multipliers, (d, dm) fp32; 4 or 5: the same, (d, dm) fp16
+constexpr int planes_of(int P) { return P == 1 || P == 4 ? 1 : P == 2 || P == 5 ? 2 : 0; }
+constexpr bool half_pairs(int P) { return P == HALF || P >= 4; }  // sb holds fp16 values
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -212,9 +217,10 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
   for (int i = 0; i < MM; ++i) acc[i] = _mm256_setzero_ps();
   constexpr int CB = BITS == 6 ? 96 : 128;  // code bytes per group of a block
   const uint8_t* cb = p.C + b * G * CB;
-  const float* sbb = P == HALF ? nullptr : p.SB + b * (P ? G / p.S : G) * 2 * LANES;
-  const uint16_t* shb = P == HALF ? p.SH + b * (G / p.S) * 2 * LANES : nullptr;
-  const int8_t* scb = P == 1 || P == 2 ? p.SC + b * G * P * LANES : nullptr;
+  constexpr int NP = planes_of(P);
+  const float* sbb = half_pairs(P) ? nullptr : p.SB + b * (P ? G / p.S : G) * 2 * LANES;
+  const uint16_t* shb = half_pairs(P) ? p.SH + b * (G / p.S) * 2 * LANES : nullptr;
+  const int8_t* scb = NP ? p.SC + b * G * NP * LANES : nullptr;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c = cb + g * CB;
     _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB), _MM_HINT_T0);
@@ -230,10 +236,12 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
       s = halves8(shb + g / p.S * 2 * LANES);
       bias = halves8(shb + g / p.S * 2 * LANES + LANES);
     } else {
-      const float* dd = sbb + (g / p.S) * 2 * LANES;
-      const __m256 sc = widen8(scb + g * P * LANES);
-      s = _mm256_mul_ps(_mm256_loadu_ps(dd), sc);
-      bias = _mm256_mul_ps(_mm256_loadu_ps(dd + LANES), P == 2 ? widen8(scb + g * P * LANES + LANES) : sc);
+      const int64_t o = (g / p.S) * 2 * LANES;
+      const __m256 d = half_pairs(P) ? halves8(shb + o) : _mm256_loadu_ps(sbb + o);
+      const __m256 dm = half_pairs(P) ? halves8(shb + o + LANES) : _mm256_loadu_ps(sbb + o + LANES);
+      const __m256 sc = widen8(scb + g * NP * LANES);
+      s = _mm256_mul_ps(d, sc);
+      bias = _mm256_mul_ps(dm, NP == 2 ? widen8(scb + g * NP * LANES + LANES) : sc);
     }
     rows_of<BITS, MM>(u, p, m0, g, s, bias, acc);
   }
@@ -336,12 +344,13 @@ inline void tile2(const Product& p, int64_t m0, int64_t b) {
   for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* cb0 = p.C + b * G * CB;
   const uint8_t* cb1 = cb0 + G * CB;
-  const float* sb0 = P == HALF ? nullptr : p.SB + b * SBG;
-  const float* sb1 = P == HALF ? nullptr : sb0 + SBG;
-  const uint16_t* sh0 = P == HALF ? p.SH + b * SBG : nullptr;
-  const uint16_t* sh1 = P == HALF ? sh0 + SBG : nullptr;
-  const int8_t* sc0 = P == 1 || P == 2 ? p.SC + b * G * P * LANES : nullptr;
-  const int8_t* sc1 = P == 1 || P == 2 ? sc0 + G * P * LANES : nullptr;
+  constexpr int NP = planes_of(P);
+  const float* sb0 = half_pairs(P) ? nullptr : p.SB + b * SBG;
+  const float* sb1 = half_pairs(P) ? nullptr : sb0 + SBG;
+  const uint16_t* sh0 = half_pairs(P) ? p.SH + b * SBG : nullptr;
+  const uint16_t* sh1 = half_pairs(P) ? sh0 + SBG : nullptr;
+  const int8_t* sc0 = NP ? p.SC + b * G * NP * LANES : nullptr;
+  const int8_t* sc1 = NP ? sc0 + G * NP * LANES : nullptr;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* c0 = cb0 + g * CB;
     const uint8_t* c1 = cb1 + g * CB;
@@ -367,10 +376,12 @@ inline void tile2(const Product& p, int64_t m0, int64_t b) {
       bias = pair_halves(sh0 + o + LANES, sh1 + o + LANES);
     } else {
       const int64_t o = (g / p.S) * 2 * LANES;
-      const __m512 sc = pair_widen(sc0 + g * P * LANES, sc1 + g * P * LANES);
-      s = _mm512_mul_ps(pair_floats(sb0 + o, sb1 + o), sc);
-      bias = _mm512_mul_ps(pair_floats(sb0 + o + LANES, sb1 + o + LANES),
-                           P == 2 ? pair_widen(sc0 + g * P * LANES + LANES, sc1 + g * P * LANES + LANES) : sc);
+      const __m512 d = half_pairs(P) ? pair_halves(sh0 + o, sh1 + o) : pair_floats(sb0 + o, sb1 + o);
+      const __m512 dm = half_pairs(P) ? pair_halves(sh0 + o + LANES, sh1 + o + LANES)
+                                      : pair_floats(sb0 + o + LANES, sb1 + o + LANES);
+      const __m512 sc = pair_widen(sc0 + g * NP * LANES, sc1 + g * NP * LANES);
+      s = _mm512_mul_ps(d, sc);
+      bias = _mm512_mul_ps(dm, NP == 2 ? pair_widen(sc0 + g * NP * LANES + LANES, sc1 + g * NP * LANES + LANES) : sc);
     }
     __m512i isum[MM];
     for (int i = 0; i < MM; ++i) isum[i] = u.dot(p.XQ + (m0 + i) * p.K + g * GS);
@@ -435,8 +446,15 @@ void chunk(const void* ctx, int64_t c) {
 using ChunkFn = void (*)(const void*, int64_t);
 
 template <int BITS>
-ChunkFn chunk_for(int64_t planes) {
-  return planes == 0 ? &chunk<BITS, 0> : planes == 1 ? &chunk<BITS, 1> : planes == 2 ? &chunk<BITS, 2> : &chunk<BITS, HALF>;
+ChunkFn chunk_for(int64_t P) {
+  switch (P) {
+    case 0: return &chunk<BITS, 0>;
+    case 1: return &chunk<BITS, 1>;
+    case 2: return &chunk<BITS, 2>;
+    case HALF: return &chunk<BITS, HALF>;
+    case 4: return &chunk<BITS, 4>;
+    default: return &chunk<BITS, 5>;
+  }
 }
 
 at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sb, const at::Tensor& sc,
@@ -449,13 +467,15 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
               "qdot_linear: codes [N/8, K/GS, 128] uint8 (96 for bits 6)");
   TORCH_CHECK(S >= 0 && (S == 0 || G % S == 0), "qdot_linear: S must divide K/GS");
   const bool half = sb.scalar_type() == at::kHalf;
-  const int64_t planes = half ? HALF : S == 0 ? 0 : sc.numel() / std::max<int64_t>(1, NB * G * LANES);
+  const int64_t planes = S == 0 ? 0 : sc.numel() / std::max<int64_t>(1, NB * G * LANES);  // of multipliers
   TORCH_CHECK((sb.scalar_type() == at::kFloat || (half && S > 0)) && sb.is_contiguous() &&
                   sb.numel() == NB * (S ? G / S : G) * 2 * LANES,
               "qdot_linear: sb [N/8, K/GS (/ S), 2, 8] float, or half with S > 0");
-  TORCH_CHECK(S == 0 || half || (sc.scalar_type() == at::kChar && sc.is_contiguous() && (planes == 1 || planes == 2) &&
-                                 sc.numel() == NB * G * planes * LANES),
-              "qdot_linear: sc [N/8, K/GS, 1 or 2, 8] int8");
+  TORCH_CHECK(S == 0 || (half && sc.numel() == 0) ||
+                  (sc.scalar_type() == at::kChar && sc.is_contiguous() && (planes == 1 || planes == 2) &&
+                   sc.numel() == NB * G * planes * LANES),
+              "qdot_linear: sc [N/8, K/GS, 1 or 2, 8] int8, or empty with fp16 pairs");
+  const int64_t P = half ? (planes ? planes + 3 : HALF) : planes;
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -500,10 +520,9 @@ at::Tensor qdot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
   const int64_t per = 2 * std::max<int64_t>(1, 16384 / (G * 128));  // even: the AVX-512 build takes blocks in pairs
   const Product p{xq.data(), dx.data(), xs.data(), codes.data_ptr<uint8_t>(), half ? nullptr : sb.data_ptr<float>(),
                   half ? reinterpret_cast<const uint16_t*>(sb.data_ptr<at::Half>()) : nullptr,
-                  S && !half ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
-  specmesh_pool::parallel_chunks((NB + per - 1) / per,
-                                 bits == 4 ? chunk_for<4>(planes) : bits == 6 ? chunk_for<6>(planes) : chunk_for<8>(planes), &p,
-                                 threads);
+                  planes ? sc.data_ptr<int8_t>() : nullptr, y.data_ptr<float>(), M, K, N, NB, per, S};
+  specmesh_pool::parallel_chunks((NB + per - 1) / per, bits == 4 ? chunk_for<4>(P) : bits == 6 ? chunk_for<6>(P) : chunk_for<8>(P),
+                                 &p, threads);
   return y;
 }
 
