@@ -36,7 +36,7 @@ This module knows nothing of sessions, transport or models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from specmesh.drafters.base import Children, grow_tree
@@ -174,6 +174,12 @@ class Costs:
         """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
         fit = self.draft_many if self.draft_many.samples or self.draft_many.calibrated else self.draft
         return fit(levels, rows, fed, 1.0)
+
+    @property
+    def verify_known(self) -> bool:
+        """Whether any verification was measured (the verifier's calibration or a step): before
+        that, a plan's step time is the priors' guess, and its error says nothing."""
+        return bool(self.verify_points or self.verify.samples or self.verify_overlapped.samples)
 
     def add_period(self, overlapped: bool, predicted: float, measured: float) -> None:
         """One step's period as the drafter saw it (from the commit before to this step's commit),
@@ -359,6 +365,7 @@ class Plan:
     step_s: float = 0.0
     hit: float = 0.0
     feed: bool = False  # no speculation: the drafter feeds the committed tokens beside the verifier's steps
+    informed: bool = True  # planned with verifications measured (`Costs.verify_known`), not from the priors
 
     @property
     def overlapped(self) -> bool:
@@ -447,7 +454,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
             if best is None or p.tokens_per_s > best.tokens_per_s:
                 best = p
     assert best is not None
-    return best
+    return best if costs.verify_known else replace(best, informed=False)
 
 
 def bonus_hit(table: list[list[float]], depth: int, after: int, branches: int) -> float:

@@ -275,6 +275,15 @@ def test_overlapped_steps_measured_slower_than_predicted_turn_pipelining_off() -
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes
 
 
+def test_a_plan_from_the_priors_alone_says_so() -> None:
+    """Before any verification was measured a plan's step time is the priors' guess: the drafter
+    does not measure its error against it."""
+    costs, acc = Costs(), _acceptance(0.8)
+    assert not plan(costs, acc, 8, 4, pipelined=True, batched=True).informed
+    costs.set_verify_cost([(1, 0.05), (9, 0.07)])
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=True).informed
+
+
 def test_period_ratio_averages_hits_and_misses_as_the_plan_does() -> None:
     """A pipelined plan predicts the mean of a short hit step and a long miss: steps measured
     at exactly those two lengths, half and half, are on prediction (ratio of sums, not a mean

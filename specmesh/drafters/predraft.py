@@ -356,7 +356,7 @@ class DraftAhead:
         """The step of the tree last sent (`steps` one-row steps for a plain run) took from the
         commit before to `arrived`: against what the plan that chose it predicted."""
         p, began, self._period_from = self._sent_plan, self._period_from, arrived
-        if p is not None and began is not None:
+        if p is not None and p.informed and began is not None:
             self.costs.add_period(p.overlapped, steps * p.step_s, arrived - began)
 
     def _observe_bonus(self, accepted: list[int], pred: "Predraft", hit: bool) -> None:
