@@ -54,6 +54,10 @@ class KVCache:
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of every slot of one layer: `[H_kv, capacity, D]` each (contiguous views, to write into)."""
+        return self.k[layer], self.v[layer]
+
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of slots [0, end) for one layer: `[H_kv, end, D]` each (views, no copy)."""
         return self.k[layer, :, :end], self.v[layer, :, :end]

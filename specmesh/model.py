@@ -211,8 +211,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = _side_by_side(self, (self.q_proj, self.k_proj, self.v_proj), x)
+        written = False  # k and v already in the (one) segment's cache
         if glue.runs(q, k, v) and d % 16 == 0 and cos.dtype == torch.float32:
-            q, k, v = glue.rope(q, k, v, cos, sin, d)  # [H, T, D], [H_kv, T, D] x 2
+            if len(segments) == 1 and segments[0].cache.k.dtype == torch.float32:
+                s = segments[0]
+                q = glue.rope_into(q, k, v, cos, sin, d, *s.cache.layer(layer), s.start)  # [H, T, D]
+                written = True
+            else:
+                q, k, v = glue.rope(q, k, v, cos, sin, d)  # [H, T, D], [H_kv, T, D] x 2
         else:
             q = q.view(t, -1, d).transpose(0, 1)  # [H, T, D] (local heads under TP)
             k = k.view(t, -1, d).transpose(0, 1)  # [H_kv, T, D]
@@ -222,7 +228,8 @@ class Attention(nn.Module):
         outs, row = [], 0
         for s in segments:  # projections are shared by the batch; attention is per cache
             n = s.tokens.shape[0]
-            s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
+            if not written:
+                s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
             keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
             if s.exact and n <= ROW_ATTENTION_MAX:
                 outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.row_keys))

@@ -59,6 +59,13 @@ def test_each_op_computes_what_the_torch_code_does():
     assert (rq.double() - _rope64(q, cos, sin, d)).abs().max() < 1e-5
     assert (rk.double() - _rope64(k, cos, sin, d)).abs().max() < 1e-5
     assert torch.equal(rv, v.reshape(5, hk, d).transpose(0, 1))
+    # rope_into: the same q, with k and v stored at cache slots [3, 8); every other slot untouched
+    kc, vc = torch.full((hk, 16, d), 7.0), torch.full((hk, 16, d), 7.0)
+    assert torch.equal(glue.rope_into(q, k, v, cos, sin, d, kc, vc, 3), rq)
+    assert torch.equal(kc[:, 3:8], rk) and torch.equal(vc[:, 3:8], rv)
+    assert (kc[:, :3] == 7).all() and (kc[:, 8:] == 7).all() and (vc[:, :3] == 7).all() and (vc[:, 8:] == 7).all()
+    with pytest.raises(RuntimeError, match="room for slots"):
+        glue.rope_into(q, k, v, cos, sin, d, kc, vc, 12)
 
     gu = torch.randn(5, 2 * 4864, generator=g) * 4
     gate, up = gu.split([4864, 4864], -1)
@@ -115,6 +122,7 @@ def test_the_model_takes_them_and_agrees_with_its_torch_path(monkeypatch):
     from specmesh.engine import SpecConfig, StopConditions, generate
     from specmesh.drafters.model import ModelDrafter
     from specmesh.loader import model_from_hf
+    from specmesh.model import Segment
     from specmesh.sampling import SamplingParams
     from tests.tiny_models import random_hf_model
 
@@ -123,15 +131,22 @@ def test_the_model_takes_them_and_agrees_with_its_torch_path(monkeypatch):
     m = model_from_hf(cfg, random_hf_model(cfg, seed=3).state_dict())
     tokens, pos = torch.arange(10, 30), torch.arange(20)
     calls = []
-    for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul"):
+    for name in ("rms_norm", "add_rms_norm", "rope", "rope_into", "silu_mul"):
         real = getattr(glue, name)
         monkeypatch.setattr(glue, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
 
     def logits():
         return m(tokens, pos, m.new_cache(32), 0)
 
+    def logits_of(n):
+        return m(tokens[:n], pos[:n], m.new_cache(32), 0)
+
     with_glue = logits()
-    assert set(calls) == {"rms_norm", "add_rms_norm", "rope", "silu_mul"}
+    assert set(calls) == {"rms_norm", "add_rms_norm", "rope_into", "silu_mul"}  # one cache: k, v rotated into it
+    a, b = Segment(tokens, pos, m.new_cache(32), 0), Segment(tokens[:7], pos[:7], m.new_cache(32), 0)
+    together = m.forward_batch([a, b])  # two caches: rope, then each segment's write
+    assert "rope" in calls  # rows of a batch agree with each alone up to the products' rounding (fp32 weights here)
+    assert (together[0] - with_glue).abs().max() < 1e-4 and (together[1] - logits_of(7)).abs().max() < 1e-4
     ids = list(range(3, 12))
     plain = generate(m, ids, SamplingParams(), StopConditions(24)).token_ids
     spec = generate(m, ids, SamplingParams(), StopConditions(24), ModelDrafter(m), SpecConfig(budget=6, depth=3)).token_ids

@@ -107,13 +107,15 @@ inline void rotate(const float* x, const float* c, const float* s, float* out, i
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim,
-                                                    int64_t threads) {
+// q rotated into OQ [Hq, T, D]; k rotated and v copied into head h's rows row0.. of OK / OV, heads
+// `stride` floats apart (a [Hk, T, D] result, or a cache layer's [Hk, capacity, D] slots).
+void rotate_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t D, float* OQ, float* OK, float* OV, int64_t stride, int64_t row0,
+                 int64_t threads) {
   check_rows(q, "rope");
   check_rows(k, "rope");
   check_rows(v, "rope");
-  const int64_t T = q.size(0), D = head_dim;
+  const int64_t T = q.size(0);
   TORCH_CHECK(D % 16 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0 && v.size(1) == k.size(1) && k.size(0) == T &&
                   v.size(0) == T,
               "rope: q, k, v [T, heads * D], D a multiple of 16, k and v alike");
@@ -121,23 +123,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope(const at::Tensor& q, const a
                   sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
               "rope: cos and sin fp32 [T, D], contiguous");
   const int64_t Hq = q.size(1) / D, Hk = k.size(1) / D;
-  at::Tensor oq = at::empty({Hq, T, D}, q.options()), ok = at::empty({Hk, T, D}, q.options()),
-             ov = at::empty({Hk, T, D}, q.options());
   const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
-  float *OQ = oq.data_ptr<float>(), *OK = ok.data_ptr<float>(), *OV = ov.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
   over_rows(T, q.size(1) + 2 * k.size(1), threads, [&](int64_t t) {
     const float *c = C + t * D, *s = S + t * D;
     for (int64_t h = 0; h < Hq; ++h) rotate(Q + t * qs + h * D, c, s, OQ + (h * T + t) * D, D);
     for (int64_t h = 0; h < Hk; ++h) {
-      rotate(K + t * ks + h * D, c, s, OK + (h * T + t) * D, D);
+      rotate(K + t * ks + h * D, c, s, OK + h * stride + (row0 + t) * D, D);
       const float* src = V + t * vs + h * D;
-      float* dst = OV + (h * T + t) * D;
+      float* dst = OV + h * stride + (row0 + t) * D;
       for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim,
+                                                    int64_t threads) {
+  const int64_t T = q.size(0), D = head_dim;
+  TORCH_CHECK(D > 0 && q.dim() == 2 && k.dim() == 2, "rope: q, k, v [T, heads * D]");
+  at::Tensor oq = at::empty({q.size(1) / D, T, D}, q.options()), ok = at::empty({k.size(1) / D, T, D}, q.options()),
+             ov = at::empty({k.size(1) / D, T, D}, q.options());
+  rotate_rows(q, k, v, cos, sin, D, oq.data_ptr<float>(), ok.data_ptr<float>(), ov.data_ptr<float>(), T * D, 0, threads);
   return {oq, ok, ov};
+}
+
+// rope, with k and v written straight into a cache layer's slots [start, start + T) (kc, vc:
+// [Hk, capacity, D] contiguous) instead of new tensors; returns q.
+at::Tensor rope_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                     const at::Tensor& sin, int64_t head_dim, at::Tensor& kc, at::Tensor& vc, int64_t start,
+                     int64_t threads) {
+  const int64_t T = q.size(0), D = head_dim;
+  TORCH_CHECK(D > 0 && q.dim() == 2 && k.dim() == 2, "rope_into: q, k, v [T, heads * D]");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+                  vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() && kc.size(0) * D == k.size(1) &&
+                  kc.size(2) == D && start >= 0 && start + T <= kc.size(1),
+              "rope_into: kc, vc fp32 [Hk, capacity, D] contiguous, with room for slots [start, start + T)");
+  at::Tensor oq = at::empty({q.size(1) / D, T, D}, q.options());
+  rotate_rows(q, k, v, cos, sin, D, oq.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+              kc.size(1) * D, start, threads);
+  return oq;
 }
 
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u, int64_t threads) {
@@ -167,5 +193,8 @@ TORCH_LIBRARY(specmesh_glue, m) {
   m.def("add_rms_norm(Tensor h, Tensor a, Tensor w, float eps, int threads) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("rope(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int head_dim, int threads) -> (Tensor, Tensor, Tensor)",
         &rope);
+  m.def("rope_into(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int head_dim, Tensor(a!) kc, Tensor(b!) vc, "
+        "int start, int threads) -> Tensor",
+        &rope_into);
   m.def("silu_mul(Tensor g, Tensor u, int threads) -> Tensor", &silu_mul);
 }

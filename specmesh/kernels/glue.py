@@ -67,6 +67,13 @@ def rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, s
     return _ops().rope(_rows(q), _rows(k), _rows(v), cos, sin, head_dim, _k.pool_threads())
 
 
+def rope_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              head_dim: int, kc: torch.Tensor, vc: torch.Tensor, start: int) -> torch.Tensor:
+    """`rope`, with rotated k and v stored at slots [start, start + T) of one cache layer (kc, vc
+    [Hk, capacity, D], `KVCache.layer`) rather than returned: q rotated, [H, T, D]."""
+    return _ops().rope_into(_rows(q), _rows(k), _rows(v), cos, sin, head_dim, kc, vc, start, _k.pool_threads())
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_mul(_rows(gate), _rows(up), _k.pool_threads())
 
