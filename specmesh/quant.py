@@ -353,13 +353,14 @@ class QuantLinear(nn.Module):
         if self.fmt == "gguf":
             lean = x.dim() == 2 and x.dtype == torch.float32  # a decode step's input: no reshape, no copy
             x2 = x if lean else x.reshape(-1, shape[-1]).float()  # [M, K]
+            b = self._buffers  # read directly: nn.Module's attribute fallback costs ~1 us a buffer a call
             if self.kernel == "ggml":
-                y = ggml.linear(x2, self.blocks, self.qtype)  # [M, N]
+                y = ggml.linear(x2, b["blocks"], self.qtype)  # [M, N]
             else:
-                y = qdot.linear(x2, self.qd_codes, self.qd_sb, self.qd_sc, self.out_features, self.bits,
+                y = qdot.linear(x2, b["qd_codes"], b["qd_sb"], b["qd_sc"], self.out_features, self.bits,
                                 self.supergroups)
-            if self.bias is not None:
-                y = y + self.bias
+            if b["bias"] is not None:
+                y = y + b["bias"]
             return y if lean else y.view(*shape[:-1], self.out_features)
         if self.fmt == "int4" and self.kernel == "specmesh-q4":
             from specmesh.kernels import q4

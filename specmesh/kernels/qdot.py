@@ -366,8 +366,12 @@ def linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, sc: torch.Ten
            s: int) -> torch.Tensor:
     """y [M, N] = x [M, K] fp32 @ W.T, W as `pack` / `pack_super` left it (a `Packed`'s fields);
     call only when `available()`."""
-    if _State.op is None:
-        load()
     threads = _k.pool_threads()
-    ops = (_State.choices.get(threads) or choice())["by_bits"][bits]
-    return ops[min(x.shape[0], len(ops) - 1)](x, codes, sb, sc, n, bits, s, threads)
+    chosen = _State.choices.get(threads)
+    if chosen is None:
+        if _State.op is None:
+            load()
+        chosen = choice()
+    ops = chosen["by_bits"][bits]
+    m = x.shape[0]
+    return ops[m if m < len(ops) else -1](x, codes, sb, sc, n, bits, s, threads)
