@@ -227,6 +227,11 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
     _mm_prefetch(reinterpret_cast<const char*>(c + PF * CB + 64), _MM_HINT_T0);
     if constexpr (P == 0) _mm_prefetch(reinterpret_cast<const char*>(sbb + (g + PF) * 2 * LANES), _MM_HINT_T0);
     if constexpr (P == HALF) _mm_prefetch(reinterpret_cast<const char*>(shb + (g + PF) / p.S * 2 * LANES), _MM_HINT_T0);
+    if constexpr (NP > 0) {  // super-blocks: the multipliers' stream and the (d, dm) pairs'
+      _mm_prefetch(reinterpret_cast<const char*>(scb + (g + PF) * NP * LANES), _MM_HINT_T0);
+      const int64_t o = (g + PF) / p.S * 2 * LANES;
+      _mm_prefetch(half_pairs(P) ? reinterpret_cast<const char*>(shb + o) : reinterpret_cast<const char*>(sbb + o), _MM_HINT_T0);
+    }
     const Codes<BITS> u(c);
     __m256 s, bias;
     if constexpr (P == 0) {
@@ -364,6 +369,12 @@ inline void tile2(const Product& p, int64_t m0, int64_t b) {
     } else if constexpr (P == HALF) {
       _mm_prefetch(reinterpret_cast<const char*>(sh0 + (g + PF) / p.S * 2 * LANES), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(sh1 + (g + PF) / p.S * 2 * LANES), _MM_HINT_T0);
+    } else if constexpr (NP > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(sc0 + (g + PF) * NP * LANES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sc1 + (g + PF) * NP * LANES), _MM_HINT_T0);
+      const int64_t o = (g + PF) / p.S * 2 * LANES;
+      _mm_prefetch(half_pairs(P) ? reinterpret_cast<const char*>(sh0 + o) : reinterpret_cast<const char*>(sb0 + o), _MM_HINT_T0);
+      _mm_prefetch(half_pairs(P) ? reinterpret_cast<const char*>(sh1 + o) : reinterpret_cast<const char*>(sb1 + o), _MM_HINT_T0);
     }
     const Codes2<BITS> u(c0, c1);
     __m512 s, bias;
