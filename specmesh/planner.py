@@ -150,8 +150,8 @@ class Costs:
     verify_overlapped: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))
     link_s: float = 0.002
     verify_points: tuple[tuple[int, float], ...] = ()  # the verifier's calibration, as last taken
-    # measured step periods and what the plans predicted for them, decayed sums, [sequential,
-    # overlapped] (`add_period`)
+    # per kind [sequential, overlapped] (`add_period`): decayed sums [measured period, the plans'
+    # predicted period, steps counted]
     _periods: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
     def set_verify_cost(self, points) -> None:
