@@ -107,11 +107,11 @@ inline void rotate(const float* x, const float* c, const float* s, float* out, i
   }
 }
 
-// q rotated into OQ [Hq, T, D]; k rotated and v copied into head h's rows row0.. of OK / OV, heads
+// Returns q rotated, [Hq, T, D]; k rotated and v copied into head h's rows row0.. of OK / OV, heads
 // `stride` floats apart (a [Hk, T, D] result, or a cache layer's [Hk, capacity, D] slots).
-void rotate_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                 const at::Tensor& sin, int64_t D, float* OQ, float* OK, float* OV, int64_t stride, int64_t row0,
-                 int64_t threads) {
+at::Tensor rotate_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t D, float* OK, float* OV, int64_t stride, int64_t row0,
+                       int64_t threads) {
   check_rows(q, "rope");
   check_rows(k, "rope");
   check_rows(v, "rope");
@@ -123,6 +123,8 @@ void rotate_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                   sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
               "rope: cos and sin fp32 [T, D], contiguous");
   const int64_t Hq = q.size(1) / D, Hk = k.size(1) / D;
+  at::Tensor oq = at::empty({Hq, T, D}, q.options());
+  float* OQ = oq.data_ptr<float>();
   const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
@@ -136,6 +138,7 @@ void rotate_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
     }
   });
+  return oq;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -143,9 +146,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope(const at::Tensor& q, const a
                                                     int64_t threads) {
   const int64_t T = q.size(0), D = head_dim;
   TORCH_CHECK(D > 0 && q.dim() == 2 && k.dim() == 2, "rope: q, k, v [T, heads * D]");
-  at::Tensor oq = at::empty({q.size(1) / D, T, D}, q.options()), ok = at::empty({k.size(1) / D, T, D}, q.options()),
-             ov = at::empty({k.size(1) / D, T, D}, q.options());
-  rotate_rows(q, k, v, cos, sin, D, oq.data_ptr<float>(), ok.data_ptr<float>(), ov.data_ptr<float>(), T * D, 0, threads);
+  const auto f32 = q.options().dtype(at::kFloat);  // rotate_rows checks the inputs' own dtype
+  at::Tensor ok = at::empty({k.size(1) / D, T, D}, f32), ov = at::empty({k.size(1) / D, T, D}, f32);
+  at::Tensor oq = rotate_rows(q, k, v, cos, sin, D, ok.data_ptr<float>(), ov.data_ptr<float>(), T * D, 0, threads);
   return {oq, ok, ov};
 }
 
@@ -160,10 +163,7 @@ at::Tensor rope_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                   vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() && kc.size(0) * D == k.size(1) &&
                   kc.size(2) == D && start >= 0 && start + T <= kc.size(1),
               "rope_into: kc, vc fp32 [Hk, capacity, D] contiguous, with room for slots [start, start + T)");
-  at::Tensor oq = at::empty({q.size(1) / D, T, D}, q.options());
-  rotate_rows(q, k, v, cos, sin, D, oq.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-              kc.size(1) * D, start, threads);
-  return oq;
+  return rotate_rows(q, k, v, cos, sin, D, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(1) * D, start, threads);
 }
 
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u, int64_t threads) {
