@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from specmesh.drafters import parse_drafter_spec
-from specmesh.service import DEFAULT_LOG_LEVEL, ServiceConfig, add_common_args, flag
+from specmesh.service import DEFAULT_DTYPE, DEFAULT_LOG_LEVEL, ServiceConfig, add_common_args, flag
 from specmesh.tls import ServerTls, server_from_args
 
 DEFAULT_VOCAB_SIZE = 49152  # the bundled SmolLM2's vocabulary (oracle only)
@@ -35,7 +35,7 @@ class DrafterServiceConfig(ServiceConfig):
     max_total_tokens: int = 262144  # all sessions' committed tokens: least recently used evicted beyond
     threads: int = 1  # torch threads
     device: str = "auto"  # model drafters: auto (cuda when available) | cpu | cuda (specmesh.device)
-    dtype: str = "float32"  # model drafters: specmesh.device.DTYPES (auto: runtime.load_model_drafter)
+    dtype: str = DEFAULT_DTYPE  # model drafters: specmesh.device.DTYPES (auto: runtime.load_model_drafter)
     max_streams: int = 64  # concurrent Draft streams (one worker thread each)
     grace_s: float = 5.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -110,7 +110,7 @@ class DrafterServiceConfig(ServiceConfig):
         if self.max_total_tokens < self.max_context_tokens:
             raise ValueError(f"max_total_tokens: must be >= max_context_tokens ({self.max_context_tokens}), "
                              f"got {self.max_total_tokens}")
-        if kind != "model" and (self.device != "auto" or self.dtype != "float32"):
+        if kind != "model" and (self.device != "auto" or self.dtype != DEFAULT_DTYPE):
             raise ValueError("device, dtype: only a model drafter computes (ngram and oracle run on the CPU)")
         if self.max_streams < 1:
             raise ValueError(f"max_streams: must be >= 1, got {self.max_streams}")

@@ -62,6 +62,7 @@ from loadtest.bench_drafters import _load_shared, pick_prompts
 from loadtest.bench_engine import add_markdown_flag, base_meta, print_saved
 from loadtest.bench_services import Config, _timed, add_timed, generate_inproc, run_remote
 from specmesh.launch import start
+from specmesh.service import DEFAULT_DTYPE
 
 PAIRS = ("smollm2", "qwen2.5-coder")
 RESULTS = Path(__file__).parent / "results"
@@ -201,7 +202,7 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = "float32", services_only: bool = False, service_threads_asked: int = 0) -> dict:
+               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked: int = 0) -> dict:
     """Start the pair's services (weights as `dtype`), run every row on every prompt (interleaved),
     stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
     weight format (the in-process fp32 rows beside another format report agreement only)."""
@@ -503,9 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--service-threads", type=int, default=0,
                     help="--threads of each service process (the verifier, the drafter); default 0: what "
                          "`specmesh up` gives them (the machine's cores each)")
-    ap.add_argument("--dtype", default="float32",
-                    help="the services' weights (verifier and drafter --dtype; auto: measured here), and "
-                         "in-process rows in that format beside the fp32 ones")
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE,
+                    help="the services' weights (verifier and drafter --dtype; default auto, the services' own "
+                         "default: measured here), and in-process rows in that format beside the fp32 ones")
     add_markdown_flag(ap)
     args = ap.parse_args(argv)
     if print_saved(args.markdown, format_table):

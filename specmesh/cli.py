@@ -15,6 +15,8 @@ import shlex
 import sys
 import time
 
+from specmesh.service import DEFAULT_DTYPE
+
 DEFAULT_DRAFTER = "auto"  # the trained drafter for the bundled target, else ngram (drafters.resolve_auto)
 
 
@@ -32,10 +34,11 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF folder, .safetensors or .gguf (default: bundled SmolLM2)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("SPECMESH_THREADS", "0")) or None,
                    help="torch threads for this process (default: torch's own choice)")
-    p.add_argument("--dtype", default=os.environ.get("SPECMESH_DTYPE", "float32"),
+    p.add_argument("--dtype", default=os.environ.get("SPECMESH_DTYPE", DEFAULT_DTYPE),
                    help="float32 | bfloat16 | float16 (the whole model) | int8 | int4 (Linear weights only, "
                         "CPU; a GGUF's 4-bit tensors load as they ship) | gguf (a GGUF's tensors as they ship, "
-                        "integer kernels, CPU) | auto (the fastest here of gguf, int4, float32 for a GGUF)")
+                        "integer kernels, CPU) | auto (default: the fastest here of gguf, int4, float32 for a GGUF, float32 "
+                        "for anything else; a model drafter in the same format, requantized to 4 bits)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +154,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if kind == "oracle":
         print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
         reference = reference_continuation(model, prompt_ids, stop)
-    drafter = make_drafter(kind, arg, model, reference)
+    drafter = make_drafter(kind, arg, model, reference, dtype=parse_dtype(args.dtype))
     threads = fit_threads(model, drafter)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     res = GenerationResult()

@@ -31,6 +31,7 @@ from pathlib import Path
 from specmesh import service_token
 from specmesh.launch import terminate
 from specmesh.redis_server import RedisServer, free_port, redacted, redis_server_binary
+from specmesh.service import DEFAULT_DTYPE
 
 LISTEN = re.compile(r"listening on ([\w.\-]+):(\d+)")
 ROUTER_HTTP = re.compile(r" http ([\w.\-]+):(\d+)")
@@ -60,6 +61,7 @@ class ClusterSpec:
     port: int = 0                   # router gRPC (0 = a free port)
     http_port: int = 0              # router HTTP (0 = a free port, -1 = off)
     threads: int = 0                # torch threads per service (per TP rank); 0 = auto (`service_threads`)
+    dtype: str = DEFAULT_DTYPE      # the verifier's and model drafters' --dtype (specmesh.device)
     metrics: bool = True            # verifier and drafters export Prometheus metrics on free ports
     # TLS (all three or none): every service presents tls_cert; channels between services are
     # mTLS (each trusts tls_ca and presents tls_cert); the router's public ports are TLS and
@@ -93,6 +95,9 @@ class ClusterSpec:
         if self.drafter.split(":", 1)[0] not in ("ngram", "model"):
             raise ValueError(f"drafter: ngram or model:PATH, got {self.drafter!r} (oracle needs a reference: "
                              "start drafter_service by hand)")
+        from specmesh.device import parse_dtype
+
+        parse_dtype(self.dtype)  # ValueError naming the setting
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(tls) and not all(tls):
             raise ValueError("tls_cert, tls_key, tls_ca: give all three or none")
@@ -228,13 +233,14 @@ class Cluster:
         from specmesh.paths import bundled_target_path
 
         tokenizer = s.target or str(bundled_target_path())
+        weights = ["--dtype", s.dtype] if s.drafter.startswith("model:") else []  # an ngram drafter has none
         drafters = [self._spawn(f"drafter-{i}", "drafter_service", "--port", "0", "--drafter", s.drafter,
-                                "--threads", str(drafter_threads), "--tokenizer", tokenizer, *serve,
+                                "--threads", str(drafter_threads), "--tokenizer", tokenizer, *weights, *serve,
                                 metrics=s.metrics, redis=True, token=True)
                     for i in range(s.drafters)]
         verifier = self._spawn("verifier", "verifier_service", "--port", "0", "--tp", str(s.tp),
-                               "--threads", str(rank_threads), *target, *serve, *dial, metrics=s.metrics, redis=True,
-                               token=True)
+                               "--threads", str(rank_threads), "--dtype", s.dtype, *target, *serve, *dial,
+                               metrics=s.metrics, redis=True, token=True)
         # 3. every service registers itself once it listens
         self._wait([router, *drafters, verifier], should_stop)
         # 4. ready = the router sees the verifier and every drafter

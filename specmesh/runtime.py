@@ -57,7 +57,9 @@ def reference_continuation(model: Transformer, prompt_ids: list[int], stop: Stop
 
 
 def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] | None = None,
-                 seed: int = 0) -> Drafter | None:
+                 seed: int = 0, dtype: torch.dtype | str = torch.float32) -> Drafter | None:
+    """The drafter `kind:arg` names for `target`; a model drafter's weights as `dtype`
+    (`load_model_drafter`)."""
     if kind == "none":
         return None
     if kind == "ngram":
@@ -66,7 +68,7 @@ def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] 
         assert reference is not None, "the oracle drafter needs the reference continuation"
         return OracleDrafter(reference, float(arg), target.config.vocab_size, seed=seed)
     if kind == "model":
-        drafter = load_model_drafter(arg)
+        drafter = load_model_drafter(arg, dtype=dtype)
         vocab = drafter.model.config.vocab_size
         if vocab != target.config.vocab_size:
             raise ValueError(f"drafter: vocabulary {vocab} != target's {target.config.vocab_size}")

@@ -29,6 +29,9 @@ from typing import ClassVar, Self
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_LOG_LEVEL = "WARNING"
+# --dtype of every entry point that runs a model (services, `specmesh up`, `specmesh generate`): a GGUF
+# served as it ships where that measured fastest, anything else float32 (specmesh.device)
+DEFAULT_DTYPE = "auto"
 ENV_PREFIX = "SPECMESH_"
 
 

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per service and TP rank (default 0 = auto: the machine's cores for each "
                         "service, a TP rank its share; drafting and verification then take turns)")
+    p.add_argument("--dtype", default=env("SPECMESH_DTYPE", d.dtype),
+                   help="weights of the verifier and model drafters (specmesh.device; default auto: a GGUF as it "
+                        "ships where that measured fastest here, any other checkpoint float32)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints on the verifier and drafters")
     p.add_argument("--tls-cert", default=env("SPECMESH_TLS_CERT", ""),
                    help="PEM certificate (naming 127.0.0.1) every service presents; with --tls-key and --tls-ca: "
@@ -70,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> UpConfig:
     spec = ClusterSpec(drafters=a.drafters, tp=a.tp, redis_url=a.redis_url, target=a.target,
                        drafter=resolve_auto(a.drafter, a.target),
-                       port=a.port, http_port=a.http_port, threads=a.threads, metrics=not a.no_metrics,
+                       port=a.port, http_port=a.http_port, threads=a.threads, dtype=a.dtype, metrics=not a.no_metrics,
                        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca, service_token=not a.no_service_token)
     spec.validate()
     if a.max_tokens < 1:

@@ -63,3 +63,17 @@ def test_the_verdict_is_measured_on_real_layers():
     assert r["choice"] in formats
     for f in formats:
         assert set(r[f"{f}_us"]) == {"1", "9"} and all(v > 0 for v in r[f"{f}_us"].values())
+
+
+def test_make_drafter_loads_a_model_drafter_in_the_format_asked(monkeypatch, tmp_path):
+    """`specmesh generate --dtype X --drafter model:PATH` passes X to the drafter too: it loaded in
+    fp32 whatever --dtype said (a GGUF drafter then cost several times its own 4-bit forward)."""
+    from specmesh.drafters import bundled_drafter_path
+    from specmesh.runtime import make_drafter
+
+    _verdict(monkeypatch, tmp_path, "int4")
+    target = torch.nn.Module()
+    target.config = type("C", (), {"vocab_size": 49152, "hidden_size": 576})()
+    for dtype, quantized in (("auto", True), (torch.float32, False)):
+        drafter = make_drafter("model", str(bundled_drafter_path()), target, dtype=dtype)
+        assert any(isinstance(m, QuantLinear) for m in drafter.model.modules()) == quantized, dtype

@@ -211,7 +211,7 @@ def test_cli_json(bundle):
     _model, tok, _hf, cases = bundle
     out = subprocess.run(
         [sys.executable, "-m", "specmesh.cli", "generate", "--prompt", PROMPTS[0], "--chat", "--max-tokens", "12",
-         "--drafter", "ngram", "--json", "--threads", "1"],
+         "--drafter", "ngram", "--json", "--threads", "1", "--dtype", "float32"],  # the fp32 engine's tokens
         capture_output=True, text=True, timeout=300, check=True,
     )
     obj = json.loads(out.stdout)

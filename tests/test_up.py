@@ -44,6 +44,8 @@ def test_flags_become_the_cluster_spec():
     assert cfg.cluster == ClusterSpec(drafters=2, tp=2, redis_url="redis://127.0.0.1:1/0", port=5,
                                       drafter=f"model:{bundled_drafter_path()}")  # auto: the shipped drafter
     assert cfg.demo and cfg.cluster.threads == 0  # auto
+    assert cfg.cluster.dtype == "auto"  # a GGUF served as it ships (specmesh.service.DEFAULT_DTYPE)
+    assert parse("--dtype", "float32").cluster.dtype == "float32"
 
 
 def test_auto_threads_give_each_service_the_cores_and_a_tp_rank_its_share(monkeypatch):
@@ -61,7 +63,7 @@ def test_auto_threads_give_each_service_the_cores_and_a_tp_rank_its_share(monkey
 
 @pytest.mark.parametrize("argv, field", [
     (("--tp", "0"), "tp"), (("--drafters", "-1"), "drafters"), (("--drafter", "oracle:0.8"), "drafter"),
-    (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"),
+    (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"), (("--dtype", "fp8"), "dtype"),
     (("--tls-cert", __file__), "tls_cert, tls_key, tls_ca"),
     (("--tls-cert", "/nonexistent.pem", "--tls-key", __file__, "--tls-ca", __file__), "tls_cert"),
 ])
@@ -139,6 +141,8 @@ def test_sigterm_stops_every_child_in_reverse_order():
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             assert b"redis://" not in cmdline and b"requirepass" not in cmdline, cmdline
             assert b"service-token" not in cmdline and b"SPECMESH_SERVICE_TOKEN" not in cmdline, cmdline
+        for name in ("verifier", "drafter-0", "drafter-1"):  # model services get the cluster's --dtype
+            assert b"--dtype\x00auto\x00" in Path(f"/proc/{pids[name]}/cmdline").read_bytes(), name
         # the internal ports refuse a caller without the service token; their health stays open
         listed = {line.split()[0]: line.split()[1] for line in up.out if line.startswith("  ") and len(line.split()) > 1}
         with grpc.insecure_channel(listed["verifier"]) as ch:

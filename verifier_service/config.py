@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from specmesh.kernels import cpu_count
 from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES
-from specmesh.service import DEFAULT_LOG_LEVEL, ServiceConfig, add_common_args, flag
+from specmesh.service import DEFAULT_DTYPE, DEFAULT_LOG_LEVEL, ServiceConfig, add_common_args, flag
 from specmesh.tls import PeerTls, ServerTls, add_peer_args, peer_from_args, server_from_args
 from verifier_service.tp_join import parse_hostport
 
@@ -30,7 +30,7 @@ class VerifierConfig(ServiceConfig):
     tp_start_timeout_s: float = 600.0  # every TP rank joined and loaded within this, else exit
     threads: int = 1                   # torch threads per rank
     device: str = "auto"               # auto (cuda when available) | cpu | cuda (rank r on cuda:r)
-    dtype: str = "float32"             # weights and KV cache: float32 | bfloat16 | float16 (specmesh.device)
+    dtype: str = DEFAULT_DTYPE         # weights: specmesh.device.DTYPES (auto: a GGUF as it ships, on CPU)
     drafter: str = ""                  # default drafter host:port ("" = none unless the request names one)
     drafter_allow: tuple[str, ...] = ()  # other drafters a request may name (besides registered ones)
     budget: int = 8                    # default cap on draft nodes per step (the drafter's planner picks within)

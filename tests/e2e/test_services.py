@@ -96,8 +96,10 @@ def oracle(reference_file):
 def verifier():
     # batched verification on (auto would leave it off at one thread): every TP=1 test below runs
     # through it, the 8 concurrent sessions included
+    # float32, as `local` decodes (and as TP=2 serves): the default (auto) serves the bundled GGUF as
+    # it ships, which tests/test_up.py and the router tests run
     p = start("verifier_service", "--threads", "1", "--draft-deadline-s", "5", "--batching", "on",
-              "--drafter-allow", "127.0.0.1:*")  # requests name their drafter: any local port
+              "--drafter-allow", "127.0.0.1:*", "--dtype", "float32")  # requests name their drafter: any local port
     yield p
     p.stop()
 

@@ -98,7 +98,9 @@ def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
     sampled = next(d for d in pair["results"] if d["status"] == "ok" and d["sampled"])
     assert "identical_to_autoregressive" not in sampled
     inproc = [d for d in pair["results"] if d["kind"] == "in-process"]
-    assert len(inproc) == 2 and all("identical_to_autoregressive" not in d for d in inproc)
+    # fp32 plain and speculative, and the same two in the services' format (--dtype auto, the default)
+    assert len(inproc) == 4 and all("identical_to_autoregressive" not in d for d in inproc)
+    assert pair["services_dtype"] == "auto"
     spec = next(d for d in inproc if "speculative" in d["name"])
     assert spec["identical_to_own_plain"] is True and "greedy_token_agreement" in spec
     hf = rows[next(n for n in rows if n.startswith("transformers generate"))]

@@ -26,7 +26,9 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def cluster(redis_server):
-    c = Cluster(ClusterSpec(drafter=f"model:{bundled_drafter_path()}", redis_url=redis_server.url, metrics=False))
+    # float32: the log-probabilities are held against transformers' fp32 forward (TOL)
+    c = Cluster(ClusterSpec(drafter=f"model:{bundled_drafter_path()}", redis_url=redis_server.url, metrics=False,
+                            dtype="float32"))
     try:
         c.start()
         yield c

@@ -37,7 +37,10 @@ LIMITS = ("--max-prompt-tokens", "600", "--max-tokens", "64", "--max-request-byt
 
 
 def start_verifier(redis_url: str) -> Proc:
-    return start("verifier_service", "--threads", "1", "--redis-url", redis_url)
+    # float32: these tests hold a session's follow-up turn (its context built turn by turn, the
+    # earlier turns' KV reused) against a one-shot decode of the whole conversation, which only
+    # fp32 keeps to the token (README, "Weight formats": prefills past 64 rows attend batched)
+    return start("verifier_service", "--threads", "1", "--redis-url", redis_url, "--dtype", "float32")
 
 
 def start_router(redis_url: str) -> Proc:
