@@ -15,14 +15,16 @@ the other kernels (`specmesh.kernels`, `SPECMESH_KERNELS=0` turns it off); where
 `available()` is False and `reason()` says why.
 
 **Variants, chosen by measurement** (`VARIANTS`): the same source built for AVX2 (maddubs) and,
-where the CPU has AVX512-VNNI, for VNNI (dpbusd). Their integer sums are exact, so their outputs
+where the CPU has AVX512-VNNI, for VNNI (dpbusd) on 512-bit registers (two blocks of 8 output rows
+each) or on 256-bit ones (one block: no inserts to pair blocks, which a CPU that splits 512-bit
+operations in two, AMD Zen 4, pays for nothing). Their integer sums are exact, so their outputs
 are bit-identical and the choice can follow the row count without touching batch invariance:
 `choice()` times every variant this CPU runs on synthetic Q4_K, Q6_K and Q8_0 layers (interleaved,
 weights rotated past the cache) at `ROWS` and takes, per layout and row count, the fastest (another
 variant must beat AVX2 by `MARGIN`); a row count between two timed ones takes the choice of the
 lower. Timed once per CPU model, flags, thread count, torch and library build (about a second),
 cached beside the libraries; `python -m specmesh.kernels --report` prints the table.
-`SPECMESH_QDOT=avx2|avx512vnni` forces one variant (no timing). Every output is a fixed sequence
+`SPECMESH_QDOT=avx2|avx512vnni|avx512vnni-ymm` forces one variant (no timing). Every output is a fixed sequence
 of operations whatever the other rows, the tiling or the thread count (batch invariance). This
 module knows codes and tensors, nothing of models.
 """
@@ -51,6 +53,10 @@ VARIANTS = {
     "avx2": (("-mf16c",), ("avx2", "fma", "f16c"), "specmesh_qdot"),
     "avx512vnni": (("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
                    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "specmesh_qdot_vnni"),
+    # dpbusd on 256-bit registers, one block of 8 output rows at a time (see qdot_gemm.cpp)
+    "avx512vnni-ymm": (("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DQDOT_YMM"),
+                       ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                       "specmesh_qdot_vnni256"),
 }
 ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree + pending token, a 16-node tree
 MARGIN = 0.03  # another variant must be this much faster than AVX2 to take a (layout, rows) cell

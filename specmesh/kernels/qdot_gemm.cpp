@@ -27,10 +27,12 @@
 // maddubs and an add per 32 weights. One row is bound by memory bandwidth: the bytes a weight takes
 // are what a decode step pays.
 //
-// Two builds of this source (specmesh.kernels.qdot.VARIANTS): AVX2 (maddubs + madd) and, compiled with
+// Three builds of this source (specmesh.kernels.qdot.VARIANTS): AVX2 (maddubs + madd) and, compiled with
 // -mavx512vnni -mavx512vl, AVX512-VNNI (dpbusd: the 4 byte products of a lane summed into int32 in one
-// instruction). The integer sums are exact either way, so both give bit-identical outputs; which one
-// runs is chosen by timing them on the machine at hand.
+// instruction) on 512-bit registers holding two blocks, or (-DQDOT_YMM) on 256-bit registers, one
+// block at a time: a CPU that runs 512-bit operations as two 256-bit halves (AMD Zen 4) gains nothing
+// from the wide registers and pays the inserts that pair two blocks. The integer sums are exact either
+// way, so all give bit-identical outputs; which one runs is chosen by timing them on the machine at hand.
 //
 // Layout (specmesh.kernels.qdot.pack): output rows in blocks of 8, one 32-bit lane per row, so a
 // broadcast of 4 activation bytes meets 4 consecutive inputs of all 8 rows:
@@ -56,9 +58,16 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QDOT_VNNI 1
+#if defined(QDOT_YMM)  // dpbusd on 256-bit registers only: one block (8 output rows) at a time
+#define QDOT_PAIRS 0
+#define QDOT_NS specmesh_qdot_vnni256
+#else
+#define QDOT_PAIRS 1
 #define QDOT_NS specmesh_qdot_vnni
+#endif
 #else
 #define QDOT_VNNI 0
+#define QDOT_PAIRS 0
 #define QDOT_NS specmesh_qdot
 #endif
 
@@ -263,7 +272,7 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
   }
 }
 
-#if QDOT_VNNI
+#if QDOT_PAIRS
 // AVX-512: two blocks (16 output rows) per register, lanes 0-7 block b and 8-15 block b + 1, so one
 // broadcast activation quad and one dpbusd serve 16 rows. Every lane does what `tile` does for it, in
 // the same order: outputs are bit-identical to the 8-row path.
@@ -421,7 +430,7 @@ inline void tile2(const Product& p, int64_t m0, int64_t b) {
 template <int BITS, int P, int W>
 inline void blocks(const Product& p, int64_t b) {
   const auto run = [&](auto mm, int64_t m) {
-#if QDOT_VNNI
+#if QDOT_PAIRS
     if constexpr (W == 2) {
       tile2<BITS, decltype(mm)::value, P>(p, m, b);
       return;
@@ -448,7 +457,7 @@ void chunk(const void* ctx, int64_t c) {
   const Product& p = *static_cast<const Product*>(ctx);
   const int64_t end = std::min(p.NB, (c + 1) * p.blocks_per_chunk);
   int64_t b = c * p.blocks_per_chunk;
-#if QDOT_VNNI
+#if QDOT_PAIRS
   for (; b + 2 <= end; b += 2) blocks<BITS, P, 2>(p, b);
 #endif
   for (; b < end; ++b) blocks<BITS, P, 1>(p, b);
