@@ -37,8 +37,9 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=os.environ.get("SPECMESH_DTYPE", DEFAULT_DTYPE),
                    help="float32 | bfloat16 | float16 (the whole model) | int8 | int4 (Linear weights only, "
                         "CPU; a GGUF's 4-bit tensors load as they ship) | gguf (a GGUF's tensors as they ship, "
-                        "integer kernels, CPU) | auto (default: the fastest here of gguf, int4, float32 for a GGUF, float32 "
-                        "for anything else; a model drafter in the same format, requantized to 4 bits)")
+                        "integer kernels, CPU) | auto (default: the fastest here of gguf, int4, float32 for a "
+                        "GGUF, float32 for anything else; a model drafter in the same format, requantized to 4 "
+                        "bits)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,13 +7,14 @@ forward's inputs to the model's device and its outputs back, and keeps the KV ca
 (`new_cache`). Only [rows, vocab] logits (and, for feature drafters, [T, hidden] states) cross
 PCIe per forward; the weights and caches stay put.
 
-dtype: `auto` by default at every entry point (`specmesh.service.DEFAULT_DTYPE`: `specmesh up`, `specmesh generate`,
-the verifier and drafter services), as vLLM's `--dtype auto` takes the checkpoint's own dtype: a
-GGUF is served in the format it ships in (on a CPU, `loader.auto_format`), an HF or safetensors
-checkpoint in float32, and a GPU or tensor-parallel verifier in float32. Losslessness is defined
-against the target as served: greedy output through speculation is token for token the same
-runtime's plain decoding in the same format (README, "Weight formats"). float32 is the reference
-numerics (transformers' own forward): a greedy token is an argmax, and in bfloat16 the few-ulp differences between a one-token decode and a tree
+dtype: `auto` by default at every entry point (`specmesh.service.DEFAULT_DTYPE`: `specmesh up`,
+`specmesh generate`, the verifier and drafter services), as vLLM's `--dtype auto` takes the
+checkpoint's own dtype: a GGUF is served in the format it ships in (on a CPU,
+`loader.auto_format`), an HF or safetensors checkpoint in float32, and a GPU or tensor-parallel
+verifier in float32. Losslessness is defined against the target as served: greedy output through
+speculation is token for token the same runtime's plain decoding in the same format (README,
+"Weight formats"). float32 is the reference numerics (transformers' own forward): a greedy token
+is an argmax, and in bfloat16 the few-ulp differences between a one-token decode and a tree
 verification (other kernels, other reduction orders) flip near-ties, so speculative and plain
 decoding can part ways. `--dtype bfloat16` halves memory traffic and is the usual choice on GPUs
 (vLLM's `auto` takes the checkpoint's dtype); with it the output is the target's up to those

@@ -63,7 +63,8 @@ def test_auto_threads_give_each_service_the_cores_and_a_tp_rank_its_share(monkey
 
 @pytest.mark.parametrize("argv, field", [
     (("--tp", "0"), "tp"), (("--drafters", "-1"), "drafters"), (("--drafter", "oracle:0.8"), "drafter"),
-    (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"), (("--dtype", "fp8"), "dtype"),
+    (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"),
+    (("--dtype", "fp8"), "dtype"),
     (("--tls-cert", __file__), "tls_cert, tls_key, tls_ca"),
     (("--tls-cert", "/nonexistent.pem", "--tls-key", __file__, "--tls-ca", __file__), "tls_cert"),
 ])
