@@ -145,7 +145,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specmesh.text import eos_ids
 
     target = args.target or bundled_target_path()
-    model, tok = load_model(target, parse_dtype(args.dtype)), load_tokenizer(target)
+    dtype = parse_dtype(args.dtype)  # the target's, and a model drafter's
+    model, tok = load_model(target, dtype), load_tokenizer(target)
     if getattr(model, "weight_format", None) is not None:
         print(f"weights: {model.weight_format.describe()}", file=sys.stderr)
     prompt_ids = encode_prompt(tok, args.prompt, args.chat)
@@ -155,7 +156,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if kind == "oracle":
         print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
         reference = reference_continuation(model, prompt_ids, stop)
-    drafter = make_drafter(kind, arg, model, reference, dtype=parse_dtype(args.dtype))
+    drafter = make_drafter(kind, arg, model, reference, dtype=dtype)
     threads = fit_threads(model, drafter)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     res = GenerationResult()

@@ -24,9 +24,9 @@ weights rotated past the cache) at `ROWS` and takes, per layout and row count, t
 variant must beat AVX2 by `MARGIN`); a row count between two timed ones takes the choice of the
 lower. Timed once per CPU model, flags, thread count, torch and library build (about a second),
 cached beside the libraries; `python -m specmesh.kernels --report` prints the table.
-`SPECMESH_QDOT=avx2|avx512vnni|avx512vnni-ymm` forces one variant (no timing). Every output is a fixed sequence
-of operations whatever the other rows, the tiling or the thread count (batch invariance). This
-module knows codes and tensors, nothing of models.
+`SPECMESH_QDOT=avx2|avx512vnni|avx512vnni-ymm` forces one variant (no timing). Every output is a
+fixed sequence of operations whatever the other rows, the tiling or the thread count (batch
+invariance). This module knows codes and tensors, nothing of models.
 """
 
 from __future__ import annotations
@@ -48,15 +48,14 @@ GROUP = {4: 32, 6: 16, 8: 16}  # layout -> inputs per (scale, bias) group
 CODES = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}  # layout -> code range
 
 
+_VNNI_FLAGS = ("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_VNNI_NEEDS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # name -> (extra compiler flags, /proc/cpuinfo flags it needs, its torch.ops namespace)
 VARIANTS = {
     "avx2": (("-mf16c",), ("avx2", "fma", "f16c"), "specmesh_qdot"),
-    "avx512vnni": (("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-                   ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "specmesh_qdot_vnni"),
+    "avx512vnni": (_VNNI_FLAGS, _VNNI_NEEDS, "specmesh_qdot_vnni"),
     # dpbusd on 256-bit registers, one block of 8 output rows at a time (see qdot_gemm.cpp)
-    "avx512vnni-ymm": (("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DQDOT_YMM"),
-                       ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-                       "specmesh_qdot_vnni256"),
+    "avx512vnni-ymm": ((*_VNNI_FLAGS, "-DQDOT_YMM"), _VNNI_NEEDS, "specmesh_qdot_vnni256"),
 }
 ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree + pending token, a 16-node tree
 MARGIN = 0.03  # another variant must be this much faster than AVX2 to take a (layout, rows) cell
