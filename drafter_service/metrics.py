@@ -23,6 +23,7 @@ __all__ = ["DrafterMetrics", "MeteredDrafter", "start_exporter"]
 PREFIX = "specmesh_drafter_"
 DRAFT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 TREE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+VERIFY_ROWS = (1, 2, 3, 5, 9)  # rows the verification gauge reports until a verifier sent its points
 
 
 class DrafterMetrics:
@@ -47,10 +48,11 @@ class DrafterMetrics:
                     lambda: {(call, k): fit.coef[i] for call, fit in (("draft", costs.draft), ("draft_many", costs.draft_many))
                              for k, i in terms.items()}, ("call", "term")))
         r.add(Gauge(PREFIX + "verify_cost_seconds",
-                    "Fitted target verification cost reported by verifiers (alone or beside a predraft): base, per row.",
-                    lambda: {(when, term): fit.coef[i] for when, fit in (("alone", costs.verify),
-                                                                        ("overlapped", costs.verify_overlapped))
-                             for term, i in (("base", 0), ("row", 1))}, ("when", "term")))
+                    "Predicted target verification step (alone or beside a predraft) by rows (pending token + "
+                    "tree nodes), at the row counts the verifiers measured, as live steps rescaled them.",
+                    lambda: {(when, str(rows)): fit(1.0, rows) for when, fit in (("alone", costs.verify),
+                                                                                ("overlapped", costs.verify_overlapped))
+                             for rows in [r for r, _ in costs.verify_points] or VERIFY_ROWS}, ("when", "rows")))
         r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
                     lambda: costs.link_s))
         r.add(Gauge(PREFIX + "step_period_ratio",

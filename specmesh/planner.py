@@ -5,8 +5,9 @@ free; the priors below only hold until the first measurements):
 - `LinearCost`: seconds as a linear function of work. The drafter's cost of one draft call is
   `a * levels + b * rows + f * fed + c` (rows: the nodes fed over all its levels, so `b` is what
   width costs; fed: committed tokens the call feeds first, which need no scores, so `f` is far
-  below `b`; `c`: the call itself); the target's verification is `a + b * rows` (rows = the
-  pending token + the tree's nodes). How the terms compare is calibrated where the work runs
+  below `b`; `c`: the call itself). `RowCost`: the target's verification by rows (the pending
+  token + the tree's nodes), the verifier's measured steps interpolated (no line: a CPU kernel's
+  cost jumps where rows outgrow its tile). How the terms compare is calibrated where the work runs
   (the drafter times its own calls at its start, the verifier its own steps at its start and sends
   them with each session); live calls rescale it as they come.
 - `Acceptance`: per depth and sibling rank, how often a drafted node was accepted given that its
@@ -107,8 +108,12 @@ class LinearCost:
                 return
             free = [i for i, c in zip(free, coef) if c > 0]
 
+    def guess(self, features: tuple[float, ...]) -> float:
+        """The shape's seconds for `features`, before the live scale."""
+        return sum(c * x for c, x in zip(self.shape, features))
+
     def add(self, features: tuple[float, ...], seconds: float) -> None:
-        guess = sum(c * x for c, x in zip(self.shape, features))
+        guess = self.guess(features)
         if not (seconds > 0 and math.isfinite(seconds)) or guess <= 0:
             return
         self._log_sum = self.forget * self._log_sum + math.log(seconds / guess)
@@ -116,7 +121,50 @@ class LinearCost:
         self.samples += 1
 
     def __call__(self, *features: float) -> float:
-        return self.scale * sum(c * x for c, x in zip(self.shape, features))
+        return self.scale * self.guess(features)
+
+
+class RowCost(LinearCost):
+    """A verification's seconds by rows, features (1, rows). Until calibrated, the prior line
+    a + b * rows. Calibrated (`fit_shape` over the verifier's measured steps), the shape is the
+    measured points themselves: linear between neighbouring row counts, and past the last one
+    along the line through the first and the last. A CPU kernel's step is not a line in rows: a
+    tile of activation rows reads each weight block once, and a row past the tile reads them
+    again; a least-squares line through steps of 1-9 rows put 5 rows at 1.7x one row's cost where
+    they measured 1.36x, and the planner drafted less than paid. Live steps move the scale only,
+    as for `LinearCost`."""
+
+    def __init__(self, prior: tuple[float, float], forget: float = 0.9) -> None:
+        super().__init__(prior, forget)
+        self.points: tuple[tuple[float, float], ...] = ()  # (rows, seconds), rows ascending
+
+    def fit_shape(self, samples: list[tuple[tuple[float, ...], float]]) -> None:
+        """Points from samples ((1, rows), seconds), the fastest where a row count repeats (noise
+        only adds); fewer than two row counts fit the line as `LinearCost` does."""
+        best: dict[float, float] = {}
+        for f, y in samples:
+            if y > 0 and math.isfinite(y):
+                best[f[-1]] = min(y, best.get(f[-1], math.inf))
+        if len(best) < 2:
+            super().fit_shape(samples)
+            return
+        self.points = tuple(sorted(best.items()))
+        self.calibrated = True
+        self._log_sum = self._weight = 0.0
+
+    def guess(self, features: tuple[float, ...]) -> float:
+        if not self.points:
+            return super().guess(features)
+        rows, pts = features[-1], self.points
+        (r0, s0), (r1, s1) = pts[0], pts[-1]
+        if rows >= r1:  # past the last point: the mean slope over all of them, never falling
+            return s1 + max(0.0, (s1 - s0) / (r1 - r0)) * (rows - r1)
+        if rows <= r0:
+            return s0
+        for (ra, sa), (rb, sb) in zip(pts, pts[1:]):
+            if rows <= rb:
+                return sa + (sb - sa) * (rows - ra) / (rb - ra)
+        return s1
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -144,10 +192,10 @@ class Costs:
 
     draft: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.00002, 0.0)))  # levels, rows, fed, 1
     draft_many: LinearCost = field(default_factory=lambda: LinearCost((0.002, 0.0002, 0.00002, 0.0)))
-    verify: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))  # 1, rows
+    verify: LinearCost = field(default_factory=lambda: RowCost((0.02, 0.002)))  # 1, rows
     # the same while the drafter predrafted beside it: on a CPU the two share memory bandwidth
     # (and maybe a core), so an overlapped verification can cost more than one alone
-    verify_overlapped: LinearCost = field(default_factory=lambda: LinearCost((0.02, 0.002)))
+    verify_overlapped: LinearCost = field(default_factory=lambda: RowCost((0.02, 0.002)))
     link_s: float = 0.002
     verify_points: tuple[tuple[int, float], ...] = ()  # the verifier's calibration, as last taken
     # per kind [sequential, overlapped] (`add_period`): decayed sums [measured period, the plans'

@@ -11,6 +11,7 @@ from specmesh.planner import (
     Acceptance,
     Costs,
     LinearCost,
+    RowCost,
     expected_tokens,
     outcome_odds,
     plan,
@@ -108,6 +109,43 @@ def test_costs_take_the_verifiers_points_once() -> None:
         costs.verify.add((1.0, 2.0), 0.24)
     costs.set_verify_cost(points)
     assert costs.verify_s(9, False) == pytest.approx(0.66, rel=0.02)
+
+
+# a CPU verifier's step by rows (ms, Qwen2.5-Coder 1.5B, one thread): past 8 rows the kernel's
+# tile of activation rows reads the weights again
+KINKED = [(1, 0.049), (2, 0.062), (3, 0.073), (4, 0.084), (5, 0.091), (6, 0.102), (7, 0.117), (8, 0.127),
+          (9, 0.159), (13, 0.200), (17, 0.268)]
+
+
+def test_row_cost_follows_the_measured_steps() -> None:
+    """The verification's shape is the verifier's points, linear between them and, past the last,
+    along the line through the first and the last; a line fitted through them put 5 rows far
+    above what 5 rows measured (and 1 row below), and the planner drafted too little."""
+    fit = RowCost((1.0, 1.0))
+    fit.fit_shape([((1.0, float(r)), s) for r, s in KINKED])
+    assert fit(1.0, 5.0) == pytest.approx(0.091)
+    assert fit(1.0, 1.0) == pytest.approx(0.049)
+    assert fit(1.0, 11.0) == pytest.approx((0.159 + 0.200) / 2)
+    assert fit(1.0, 21.0) == pytest.approx(0.268 + 4 * (0.268 - 0.049) / 16)
+    line = LinearCost((1.0, 1.0))
+    line.fit_shape([((1.0, float(r)), s) for r, s in KINKED])
+    assert line(1.0, 1.0) < 0.045 and line(1.0, 5.0) / line(1.0, 1.0) > 2.0 > fit(1.0, 5.0) / fit(1.0, 1.0)
+
+
+def test_row_cost_takes_the_fastest_of_repeated_points_and_rescales_live() -> None:
+    fit = RowCost((1.0, 1.0))
+    fit.fit_shape([((1.0, 1.0), 0.05), ((1.0, 1.0), 0.04), ((1.0, 3.0), 0.06)])
+    assert fit.points == ((1.0, 0.04), (3.0, 0.06))
+    for _ in range(40):
+        fit.add((1.0, 3.0), 0.12)
+    assert fit(1.0, 2.0) == pytest.approx(0.10, rel=0.02)
+
+
+def test_one_row_count_is_no_shape() -> None:
+    """One point says nothing of how rows cost: the prior line stays, as `LinearCost` keeps it."""
+    fit = RowCost((0.5, 0.1))
+    fit.fit_shape([((1.0, 4.0), 0.09)])
+    assert not fit.points and not fit.calibrated and fit(1.0, 4.0) == pytest.approx(0.9)
 
 
 def test_acceptance_counts_the_tried_ranks_along_the_accepted_path() -> None:
