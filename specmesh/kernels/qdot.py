@@ -6,8 +6,8 @@ to int8 in blocks of 32 (as llama.cpp quantizes activations for GGUF blocks). Th
 (scale, bias) pairs are fp32 per group (`pack`), or, for GGUF K-quants, in the file's own form
 (`pack_super`): (d, dm) per super-block (fp16, as the file holds them), int8 multipliers per group.
 Integer dot products (AVX2 maddubs), a block of 8 output rows unpacked once for up
-to 8 activation rows: an extra row costs a fraction of the first, which is what tree verification
-and batching pay.
+to 8 activation rows (10 in the VNNI builds: 9 and 10 rows in one tile, not 8 + 1 or 8 + 2): an
+extra row costs a fraction of the first, which is what tree verification and batching pay.
 
 `pack(q, scale, bias, bits)` / `pack_super(...)` repack once, at load time, into the kernel's
 layout (see the .cpp); `linear(x, codes, sb, sc, n, bits, s)` multiplies. Built and cached like
@@ -20,9 +20,10 @@ each) or on 256-bit ones (one block: no inserts to pair blocks, which a CPU that
 operations in two, AMD Zen 4, pays for nothing). Their integer sums are exact, so their outputs
 are bit-identical and the choice can follow the row count without touching batch invariance:
 `choice()` times every variant this CPU runs on synthetic Q4_K, Q6_K and Q8_0 layers (interleaved,
-weights rotated past the cache) at `ROWS` and takes, per layout and row count, the fastest (another
-variant must beat AVX2 by `MARGIN`); a row count between two timed ones takes the choice of the
-lower. Timed once per CPU model, flags, thread count, torch and library build (about a second),
+weights rotated past the cache) at `ROWS` (every row count to 9, then 11, 13 and 17: one per way
+the kernel tiles them) and takes, per layout and row count, the fastest (another variant must beat
+AVX2 by `MARGIN`); an untimed row count (10, 12, 14-16, past 17) takes the choice of the next lower
+timed one. Timed once per CPU model, flags, thread count, torch and library build (about a second),
 cached beside the libraries; `python -m specmesh.kernels --report` prints the table.
 `SPECMESH_QDOT=avx2|avx512vnni|avx512vnni-ymm` forces one variant (no timing). Every output is a
 fixed sequence of operations whatever the other rows, the tiling or the thread count (batch
@@ -57,7 +58,11 @@ VARIANTS = {
     # dpbusd on 256-bit registers, one block of 8 output rows at a time (see qdot_gemm.cpp)
     "avx512vnni-ymm": ((*_VNNI_FLAGS, "-DQDOT_YMM"), _VNNI_NEEDS, "specmesh_qdot_vnni256"),
 }
-ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree + pending token, a 16-node tree
+# Timed row counts: every one to 9 (decode, small trees, the default 8-node tree + pending token; each
+# its own tile shape, and the variants' ranks can flip between neighbouring counts), then one per tiling
+# of larger counts in the VNNI builds (9-10: one tile; 11-12: 8 + 3..4; 13-16: 8 + 5..8) and a 16-node
+# tree + pending token (17). An untimed count takes the next lower's.
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 17)
 MARGIN = 0.03  # another variant must be this much faster than AVX2 to take a (layout, rows) cell
 TEST_DELAY_ENV = "SPECMESH_QDOT_TEST_DELAY_US"  # tests only: "variant:us", a variant made slow
 

@@ -23,9 +23,9 @@
 //
 // Why this and not ggml's vec_dot (specmesh.kernels.ggml) for every row count: a dot product per
 // output unpacks a weight block again for every activation row, so M rows cost ~M times one. Here a
-// block of 8 output rows is unpacked once and meets up to 8 activation rows; an extra row costs a
-// maddubs and an add per 32 weights. One row is bound by memory bandwidth: the bytes a weight takes
-// are what a decode step pays.
+// block of 8 output rows is unpacked once and meets up to 8 activation rows (10 in the VNNI builds,
+// see `blocks`); an extra row costs a maddubs and an add per 32 weights. One row is bound by memory
+// bandwidth: the bytes a weight takes are what a decode step pays.
 //
 // Three builds of this source (specmesh.kernels.qdot.VARIANTS): AVX2 (maddubs + madd) and, compiled with
 // -mavx512vnni -mavx512vl, AVX512-VNNI (dpbusd: the 4 byte products of a lane summed into int32 in one
@@ -82,6 +82,10 @@ constexpr int HALF = 3;  // P of fp16 (scale, bias) pairs
 // P of super-blocks: 1 or 2 planes of multipliers, (d, dm) fp32; 4 or 5: the same, (d, dm) fp16
 constexpr int planes_of(int P) { return P == 1 || P == 4 ? 1 : P == 2 || P == 5 ? 2 : 0; }
 constexpr bool half_pairs(int P) { return P == HALF || P >= 4; }  // sb holds fp16 values
+// The per-group steps, inlined into every tile whatever the compiler's size heuristics: left out of
+// line (GCC did so for the 6-bit codes), a group's unpacked codes and the tile's accumulators go
+// through memory at every call, 1.5-3x slower at 3 rows and more.
+#define QDOT_INLINE inline __attribute__((always_inline))
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,7 +94,7 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline int32_t quad(const int8_t* p) {
+QDOT_INLINE int32_t quad(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
@@ -108,11 +112,11 @@ struct Product {
   int64_t M, K, N, NB, blocks_per_chunk, S;
 };
 
-inline __m256 halves8(const uint16_t* p) {  // 8 fp16 -> 8 fp32 (exact)
+QDOT_INLINE __m256 halves8(const uint16_t* p) {  // 8 fp16 -> 8 fp32 (exact)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 fp32
+QDOT_INLINE __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 fp32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
@@ -121,7 +125,7 @@ template <int BITS>
 struct Codes {
   __m256i v[8];  // BITS 4: 4 low-nibble then 4 high-nibble chunks; 8: |q| then q; 6: 4 chunks
 
-  inline explicit Codes(const uint8_t* c) {
+  QDOT_INLINE explicit Codes(const uint8_t* c) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if constexpr (BITS == 4) {
       for (int ch = 0; ch < 4; ++ch) {
@@ -147,7 +151,7 @@ struct Codes {
   }
 
   // The 8 rows' exact integer sums against one activation row's group (xq at its first input).
-  inline __m256i dot(const int8_t* xq) const {
+  QDOT_INLINE __m256i dot(const int8_t* xq) const {
 #if QDOT_VNNI
     // Two accumulators: a dpbusd's latency, not its throughput, would bound one decode row.
     const auto x4 = [&](int off) { return _mm256_set1_epi32(quad(xq + off)); };
@@ -203,7 +207,7 @@ struct Codes {
 
 // R activation rows from m (unrolled) against a group's codes: acc[i] += scale dx isum, then bias xs.
 template <int BITS, int R>
-inline void rows_of(const Codes<BITS>& u, const Product& p, int64_t m, int64_t g, __m256 s, __m256 bias, __m256* acc) {
+QDOT_INLINE void rows_of(const Codes<BITS>& u, const Product& p, int64_t m, int64_t g, __m256 s, __m256 bias, __m256* acc) {
   constexpr int GS = BITS == 4 ? 32 : 16;
   const int64_t G = p.K / GS, XG = p.K / XB;
   __m256i isum[R];
@@ -276,22 +280,22 @@ inline void tile(const Product& p, int64_t m0, int64_t b) {
 // AVX-512: two blocks (16 output rows) per register, lanes 0-7 block b and 8-15 block b + 1, so one
 // broadcast activation quad and one dpbusd serve 16 rows. Every lane does what `tile` does for it, in
 // the same order: outputs are bit-identical to the 8-row path.
-inline __m512i pair_bytes(const uint8_t* c0, const uint8_t* c1) {
+QDOT_INLINE __m512i pair_bytes(const uint8_t* c0, const uint8_t* c1) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1)), 1);
 }
 
-inline __m512 pair_floats(const float* a, const float* b) {
+QDOT_INLINE __m512 pair_floats(const float* a, const float* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
 
-inline __m512 pair_halves(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 fp32
+QDOT_INLINE __m512 pair_halves(const uint16_t* a, const uint16_t* b) {  // 8 + 8 fp16 -> 16 fp32
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
-inline __m512 pair_widen(const int8_t* a, const int8_t* b) {  // 8 + 8 int8 -> 16 fp32
+QDOT_INLINE __m512 pair_widen(const int8_t* a, const int8_t* b) {  // 8 + 8 int8 -> 16 fp32
   const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
@@ -301,7 +305,7 @@ template <int BITS>
 struct Codes2 {
   __m512i v[8];  // as Codes::v, two blocks wide
 
-  inline Codes2(const uint8_t* c0, const uint8_t* c1) {
+  QDOT_INLINE Codes2(const uint8_t* c0, const uint8_t* c1) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     if constexpr (BITS == 4) {
       for (int ch = 0; ch < 4; ++ch) {
@@ -324,7 +328,7 @@ struct Codes2 {
     }
   }
 
-  inline __m512i dot(const int8_t* xq) const {
+  QDOT_INLINE __m512i dot(const int8_t* xq) const {
     const auto x4 = [&](int off) { return _mm512_set1_epi32(quad(xq + off)); };
     __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
     if constexpr (BITS == 4) {
@@ -425,31 +429,40 @@ inline void tile2(const Product& p, int64_t m0, int64_t b) {
 }
 #endif
 
+constexpr int TILE = 8;  // activation rows per tile
+constexpr int TAIL = QDOT_VNNI ? 2 : 0;  // up to this many rows left over join the last 8-row tile
+
+// f(std::integral_constant<int, r>) for a run-time r in 1..T.
+template <int T, class F>
+inline void with_rows(int64_t r, const F& f) {
+  if constexpr (T > 1) {
+    if (r != T) return with_rows<T - 1>(r, f);
+  }
+  f(std::integral_constant<int, T>{});
+}
+
 // One block (W 1) or two (W 2: the AVX-512 build) of output rows against every activation row, in
-// unrolled tiles of up to 8 rows (faster than 4 or 6 for every M, measured).
+// unrolled tiles of 8 rows and one of what is left: each tile unpacks every group's codes again, so a
+// lone left-over row costs far more than a row inside a tile. In the VNNI builds (32 vector
+// registers) 1 or 2 left-over rows join the last 8-row tile instead (faster at 9 rows for 4- and
+// 6-bit codes, measured; larger single tiles and near-equal splits were not). The AVX2 build (16
+// registers) keeps 8 + rest. Only how rows are grouped changes: every output's operations are the same.
 template <int BITS, int P, int W>
 inline void blocks(const Product& p, int64_t b) {
-  const auto run = [&](auto mm, int64_t m) {
+  const auto run = [&](int64_t m, int64_t r) {
+    with_rows<TILE + TAIL>(r, [&](auto mm) {
 #if QDOT_PAIRS
-    if constexpr (W == 2) {
-      tile2<BITS, decltype(mm)::value, P>(p, m, b);
-      return;
-    }
+      if constexpr (W == 2) {
+        tile2<BITS, decltype(mm)::value, P>(p, m, b);
+        return;
+      }
 #endif
-    tile<BITS, decltype(mm)::value, P>(p, m, b);
+      tile<BITS, decltype(mm)::value, P>(p, m, b);
+    });
   };
   int64_t m = 0;
-  for (; m + 8 <= p.M; m += 8) run(std::integral_constant<int, 8>{}, m);
-  switch (p.M - m) {
-    case 7: run(std::integral_constant<int, 7>{}, m); break;
-    case 6: run(std::integral_constant<int, 6>{}, m); break;
-    case 5: run(std::integral_constant<int, 5>{}, m); break;
-    case 4: run(std::integral_constant<int, 4>{}, m); break;
-    case 3: run(std::integral_constant<int, 3>{}, m); break;
-    case 2: run(std::integral_constant<int, 2>{}, m); break;
-    case 1: run(std::integral_constant<int, 1>{}, m); break;
-    default: break;
-  }
+  for (; p.M - m > TILE + TAIL; m += TILE) run(m, TILE);
+  if (m < p.M) run(m, p.M - m);
 }
 
 template <int BITS, int P>
