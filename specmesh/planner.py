@@ -167,6 +167,42 @@ class RowCost(LinearCost):
         return s1
 
 
+class StepTable:
+    """A verifier's step by rows as it sends it to drafters (`RowCost`'s points): measured at its
+    start, then corrected by its own live steps. A start-up measurement can be far off (the drafter
+    starting beside it on the same cores once made one row 20% cheaper than it ran, and speculation
+    lost to plain steps for whole prompts), and a drafter's live steps rescale its points, not their
+    shape. So a row count with at least `MIN_LIVE` recent steps is sent as their median (of the last
+    `WINDOW`); the others as measured at start times the median live/start ratio of those. Only the
+    row counts measured at start are kept; the planner's probes keep visiting the shapes it does not
+    choose, so a wrong point is corrected once tried."""
+
+    WINDOW = 16
+    MIN_LIVE = 3
+
+    def __init__(self, points) -> None:
+        self.start = {int(r): float(s) for r, s in points}
+        self.live: dict[int, list[float]] = {r: [] for r in self.start}
+
+    def add(self, rows: int, seconds: float) -> None:
+        samples = self.live.get(int(rows))
+        if samples is None or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        samples.append(seconds)
+        del samples[:-self.WINDOW]
+
+    def points(self) -> list[tuple[int, float]]:
+        seen = {r: _median(v) for r, v in self.live.items() if len(v) >= self.MIN_LIVE}
+        k = _median([seen[r] / self.start[r] for r in seen]) if seen else 1.0
+        return [(r, seen.get(r, s * k)) for r, s in sorted(self.start.items())]
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     """a x = b by Gaussian elimination with partial pivoting (tiny systems); None if singular."""
     n = len(b)

@@ -12,6 +12,7 @@ from specmesh.planner import (
     Costs,
     LinearCost,
     RowCost,
+    StepTable,
     expected_tokens,
     outcome_odds,
     plan,
@@ -146,6 +147,34 @@ def test_one_row_count_is_no_shape() -> None:
     fit = RowCost((0.5, 0.1))
     fit.fit_shape([((1.0, 4.0), 0.09)])
     assert not fit.points and not fit.calibrated and fit(1.0, 4.0) == pytest.approx(0.9)
+
+
+def test_step_table_corrects_a_wrong_start_by_live_steps() -> None:
+    """Measured at start with the drafter loading beside it, one row came out 20% cheap: live
+    plain steps put it back, the row counts not run yet follow the live/start ratio, and a probe's
+    5-row steps take their own measured cost."""
+    table = StepTable([(1, 0.030), (3, 0.040), (5, 0.053), (9, 0.080)])
+    assert table.points() == [(1, 0.030), (3, 0.040), (5, 0.053), (9, 0.080)]
+    for s in (0.037, 0.036, 0.5, 0.037):  # one step slowed by something else: the median ignores it
+        table.add(1, s)
+    assert dict(table.points())[1] == pytest.approx(0.037)
+    assert dict(table.points())[5] == pytest.approx(0.053 * 0.037 / 0.030)
+    for _ in range(3):
+        table.add(5, 0.050)
+    points = dict(table.points())
+    assert points[5] == pytest.approx(0.050) and points[1] == pytest.approx(0.037)
+    assert points[5] / points[1] < 0.053 / 0.030
+    table.add(4, 1.0)  # a row count not measured at start: not kept
+    assert [r for r, _ in table.points()] == [1, 3, 5, 9]
+
+
+def test_step_table_keeps_the_recent_window() -> None:
+    table = StepTable([(1, 0.03), (2, 0.04)])
+    for _ in range(StepTable.WINDOW):
+        table.add(1, 0.10)
+    for _ in range(StepTable.WINDOW // 2 + 1):
+        table.add(1, 0.02)
+    assert dict(table.points())[1] == pytest.approx(0.02)
 
 
 def test_acceptance_counts_the_tried_ranks_along_the_accepted_path() -> None:

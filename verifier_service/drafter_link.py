@@ -36,7 +36,7 @@ from specmesh.drafters.pick import next_tree_from
 from specmesh.engine import SpecConfig, TargetSession
 from specmesh.grammar import GrammarSpec
 from specmesh.limits import MAX_DEPTH
-from specmesh.planner import PREDRAFT_MAX_BUDGET
+from specmesh.planner import PREDRAFT_MAX_BUDGET, StepTable
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.text import common_prefix
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel
@@ -225,10 +225,10 @@ class RemoteDrafts:
 
     def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
                  spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False,
-                 step_cost: list[tuple[int, float]] | None = None, structured: GrammarSpec | None = None) -> None:
+                 steps: StepTable | None = None, structured: GrammarSpec | None = None) -> None:
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
         self.structured = structured  # the turn's grammar
-        self.step_cost = [pb.CostPoint(rows=r, seconds=s) for r, s in step_cost or ()]  # sent with each open
+        self.steps = steps  # this verifier's step by rows: sent with each open, fed by this session's steps
         self.derive_deadline = derive_deadline
         self.slowest_s: float | None = None  # decaying maximum of the waits for trees that came
         self.params, self.pipelined = params, pipelined
@@ -259,9 +259,12 @@ class RemoteDrafts:
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
-                                                  fixed_shape=self.spec.fixed, verify_cost=self.step_cost,
+                                                  fixed_shape=self.spec.fixed, verify_cost=self._step_cost(),
                                                   features=self._features(1, len(context) - 1),
                                                   structured=self._structured()))
+
+    def _step_cost(self) -> list:
+        return [pb.CostPoint(rows=r, seconds=s) for r, s in (self.steps.points() if self.steps else ())]
 
     def _structured(self):
         """The turn's grammar for the drafter (None: it has none, or the drafter follows none)."""
@@ -335,6 +338,8 @@ class RemoteDrafts:
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
                   features=None, verify_s: float = 0.0) -> None:
+        if self.steps is not None and not self.pipelined:  # a step alone: no predraft beside it
+            self.steps.add(1 + len(tree), verify_s)
         if self._run_left:
             self._run_left -= 1
             self.plain_steps += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specmesh.batching import BatchingTarget
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, measure_steps, run_turn
+from specmesh.planner import StepTable
 from specmesh.grammar import Grammars, GrammarSpec
 from specmesh.limits import check_ids
 from specmesh.logprobs import TokenLogprob
@@ -73,6 +74,7 @@ class Verifier:
         # this verifier's step by rows, measured once here: drafters plan their trees against it
         # (a batching wrapper's own model: one session's steps are its forwards, uncounted)
         self.step_cost = measure_steps(model.model if isinstance(model, BatchingTarget) else model)
+        self.steps = StepTable(self.step_cost)  # and as its live steps correct it
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -172,7 +174,7 @@ class Verifier:
             link = None
         session.drafts = None if link is None else RemoteDrafts(
             link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline,
-            self.step_cost, structured)
+            self.steps, structured)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,

@@ -97,3 +97,30 @@ def test_a_plain_run_is_one_extension_with_the_targets_features(served) -> None:
     # row j of the drafter's features is the target's state at token j: fp16 on the wire
     torch.testing.assert_close(session.features.view()[:drafted_to - 1].float(),
                                target.features[:drafted_to - 1].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_the_verifiers_live_steps_reach_the_next_sessions_points(served) -> None:
+    """A verifier's start-up points, far off (every row count 10x too cheap): the steps of a
+    session taken alone, plain-run steps included, are what the next session's open sends the
+    drafter, and the drafter's planner takes that shape."""
+    from specmesh.planner import StepTable
+
+    model, tok, store, link = served
+    ids = encode_prompt(tok, "Name three rivers.", chat=True)
+    table = StepTable([(1, 1e-5), (2, 1.1e-5), (3, 1.2e-5), (5, 1.4e-5)])
+    params = SamplingParams()
+    target = TargetSession(model, ids, features=True)
+    source = RemoteDrafts(link, "live-a", target, params, SpecConfig(budget=4, depth=2), False, deadline_s=30.0,
+                          steps=table)
+    list(run_turn(target, source, params, make_generator(params), StopConditions(2 * PROBE_EVERY, frozenset())))
+    assert len(table.live[1]) >= StepTable.MIN_LIVE  # the plain runs' one-row steps
+    points = dict(table.points())
+    assert points[1] > 1e-3 and points[5] > 1e-3  # measured, or scaled by what was measured
+    second = RemoteDrafts(link, "live-b", TargetSession(model, ids, features=True), params,
+                          SpecConfig(budget=4, depth=2), False, deadline_s=30.0, steps=table)
+    try:
+        time.sleep(0.5)  # the open reaches the drafter
+        costs = store.get(second.sid).costs
+        assert dict(costs.verify_points)[1] == pytest.approx(points[1], rel=1e-6)
+    finally:
+        second.close()
