@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specmesh.drafters.base import Drafter, DraftSession
+from specmesh.engine import STEP_ROWS  # the rows a verifier measures: the gauge's until one sent its points
 from specmesh.metrics import Counter, Gauge, Histogram, Registry, start_exporter
 from specmesh.planner import Acceptance, Costs
 from specmesh.sampling import SamplingParams
@@ -23,7 +24,6 @@ __all__ = ["DrafterMetrics", "MeteredDrafter", "start_exporter"]
 PREFIX = "specmesh_drafter_"
 DRAFT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 TREE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
-VERIFY_ROWS = (1, 2, 3, 5, 9)  # rows the verification gauge reports until a verifier sent its points
 
 
 class DrafterMetrics:
@@ -52,7 +52,7 @@ class DrafterMetrics:
                     "tree nodes), at the row counts the verifiers measured, as live steps rescaled them.",
                     lambda: {(when, str(rows)): fit(1.0, rows) for when, fit in (("alone", costs.verify),
                                                                                 ("overlapped", costs.verify_overlapped))
-                             for rows in [r for r, _ in costs.verify_points] or VERIFY_ROWS}, ("when", "rows")))
+                             for rows in [r for r, _ in costs.verify_points] or STEP_ROWS}, ("when", "rows")))
         r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
                     lambda: costs.link_s))
         r.add(Gauge(PREFIX + "step_period_ratio",

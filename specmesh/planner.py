@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from statistics import median
 
 from specmesh.drafters.base import Children, grow_tree
 from specmesh.tree import ROOT, children_of_parents, depths
@@ -192,15 +193,9 @@ class StepTable:
         del samples[:-self.WINDOW]
 
     def points(self) -> list[tuple[int, float]]:
-        seen = {r: _median(v) for r, v in self.live.items() if len(v) >= self.MIN_LIVE}
-        k = _median([seen[r] / self.start[r] for r in seen]) if seen else 1.0
+        seen = {r: median(v) for r, v in self.live.items() if len(v) >= self.MIN_LIVE}
+        k = median([seen[r] / self.start[r] for r in seen]) if seen else 1.0
         return [(r, seen.get(r, s * k)) for r, s in sorted(self.start.items())]
-
-
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

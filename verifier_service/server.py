@@ -94,7 +94,7 @@ def serve(cfg: VerifierConfig) -> int:
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
     print("verifier_service: step by rows (ms), measured at start for drafters' planners: "
-          + ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in verifier.step_cost), flush=True)
+          + ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in verifier.steps.points()), flush=True)
     fmt = getattr(model, "weight_format", None)  # the model card: which weights, and what was requantized
     weights = fmt.describe() if fmt is not None else cfg.dtype
     print(f"verifier_service listening on {cfg.host}:{port} (tp={cfg.tp}, {device}, {weights}, "

@@ -71,10 +71,10 @@ class Verifier:
         self.sessions = SessionStore(cfg.max_sessions)
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured outputs
         self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s, cfg.peer_tls)
-        # this verifier's step by rows, measured once here: drafters plan their trees against it
-        # (a batching wrapper's own model: one session's steps are its forwards, uncounted)
-        self.step_cost = measure_steps(model.model if isinstance(model, BatchingTarget) else model)
-        self.steps = StepTable(self.step_cost)  # and as its live steps correct it
+        # this verifier's step by rows, measured here and corrected by its live steps: drafters plan
+        # their trees against it (a batching wrapper's own model: one session's steps are its
+        # forwards, uncounted)
+        self.steps = StepTable(measure_steps(model.model if isinstance(model, BatchingTarget) else model))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
