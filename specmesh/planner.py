@@ -51,7 +51,8 @@ MAX_LEVELS = 17  # depths tracked (a predraft is one level deeper than a tree)
 PRIOR_ACCEPT = (0.5, 0.15)  # prior acceptance of rank 0 and of later ranks, before any evidence
 PRIOR_WEIGHT = 2.0  # observations the prior is worth
 PERIOD_PRIOR = 2.0  # steps that "the prediction was right" is worth in `Costs.period_ratio`
-PERIOD_FORGET = 0.97  # each measured step period weighs this much less with every later one
+PERIOD_FORGET = 0.97  # each measured step period weighs this much less with every later one of its kind ...
+CROSS_FORGET = 0.995  # ... and this much less with every later one of the other kind
 
 
 class LinearCost:
@@ -266,8 +267,11 @@ class Costs:
         put work beside the verification (predrafts, or a plain run's tokens fed beside it)."""
         if not (predicted > 0 and measured > 0 and math.isfinite(measured)):
             return
-        for kind in self._periods:
-            kind[:] = [PERIOD_FORGET * x for x in kind]
+        # evidence ages mostly with steps of its own kind: steps planned the other way (while
+        # that kind loses, or in sessions that never pipeline) keep it, so a verdict holds
+        # across sessions and is revisited only slowly
+        for i, kind in enumerate(self._periods):
+            kind[:] = [(PERIOD_FORGET if i == int(overlapped) else CROSS_FORGET) * x for x in kind]
         kind = self._periods[int(overlapped)]
         kind[0] += measured
         kind[1] += predicted
