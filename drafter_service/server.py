@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health
 
 from drafter_service.config import DrafterServiceConfig
@@ -19,7 +18,7 @@ from drafter_service.servicer import DrafterServicer
 from drafter_service.sessions import SessionStore
 from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
-from specmesh.drafters.predraft import calibrate
+from specmesh.drafters.predraft import calibrated_costs
 from specmesh.grammar import Grammars
 from specmesh.planner import Acceptance, Costs
 from specmesh.service import grpc_server, set_serving, stop_server, until_signal
@@ -86,21 +85,6 @@ def build_grammars(cfg: DrafterServiceConfig, vocab_size: int | None) -> Grammar
         except Exception as exc:
             raise ValueError(f"tokenizer: cannot load {path}: {exc}") from exc
     return Grammars(tokenizer, vocab_size or len(tokenizer))
-
-
-def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
-    """The drafter's costs by levels and rows, measured now on a short context (`calibrate`), so
-    that the first sessions' plans already price width (a feature drafter on zero features: what
-    a call costs does not depend on their values)."""
-    costs = Costs()
-    context = list(range(1, 1 + min(16, vocab_size or 16)))
-    dim = drafter.feature_dim if drafter.needs_features else 0
-    session = drafter.open(context, torch.zeros(len(context) - 1, dim) if dim else None)
-    try:
-        calibrate(session, context, costs, feature_dim=dim)
-    finally:
-        session.close()
-    return costs
 
 
 def start_server(cfg: DrafterServiceConfig, drafter: Drafter, vocab_size: int | None,

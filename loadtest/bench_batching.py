@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_target(None)
     levels = [int(x) for x in args.sessions.split(",")]
     prompts = [encode_prompt(tok, PROMPTS[i % len(PROMPTS)], chat=True) for i in range(max(levels))]
-    stop, greedy, spec = StopConditions(args.max_tokens), SamplingParams(), SpecConfig(budget=DEPTH, depth=DEPTH)
+    stop, greedy, spec = StopConditions(args.max_tokens), SamplingParams(), SpecConfig(budget=DEPTH, depth=DEPTH, fixed=True)
     refs = [generate(model, p, greedy, stop).token_ids for p in prompts]  # warm-up and references
 
     def run(target, n: int) -> tuple[float, int, bool]:

@@ -98,8 +98,8 @@ def tree_depth(budget: int) -> int:
 
 
 def shapes(cfg: BenchConfig) -> list[tuple[str, SpecConfig]]:
-    out = [("chain", SpecConfig(cfg.depth, cfg.depth))]
-    return out + [(f"tree b{b}", SpecConfig(b, tree_depth(b))) for b in cfg.tree_budgets]
+    out = [("chain", SpecConfig(cfg.depth, cfg.depth, fixed=True))]
+    return out + [(f"tree b{b}", SpecConfig(b, tree_depth(b), fixed=True)) for b in cfg.tree_budgets]
 
 
 def teacher_forced_matches(draft: Transformer, prompt_ids: list[int], continuation: list[int],
@@ -192,7 +192,7 @@ def bench(target: Transformer, prompts: list[list[int]], candidates: list[Candid
             return out
         drafter = by_name[row.drafter].drafter if row.drafter != "none" else None
         res = generate(target, ids, greedy, StopConditions(max_tokens, cfg.stop_ids), drafter,
-                       SpecConfig(row.budget or 1, row.depth or 1))
+                       SpecConfig(row.budget or 1, row.depth or 1, fixed=True))
         add_stats(row, res.stats)
         return res.token_ids
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 row.identical &= out[:cut] == b[:cut]
                 continue
             drafter = make_drafter(row.drafter, str(row.alpha), model, reference, seed=pi)
-            spec = SpecConfig(row.budget or DEPTH, DEPTH)
+            spec = SpecConfig(row.budget or DEPTH, DEPTH, fixed=True)  # the row's shape, not planned
             res = generate(model, ids, greedy, stop, drafter, spec)
             add_stats(row, res.stats)
             row.identical &= res.token_ids == base.token_ids

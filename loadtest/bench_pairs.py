@@ -15,7 +15,7 @@ cores each; `--service-threads N` for N each), requests with token ids, and thes
   (`SpeculationOptions.fixed` when the proto has it, else the shape is sent as plain caps: see
   meta "fixed_shapes_sent_as");
 - the in-process engine (`specmesh.engine`) at the whole machine's threads, `none` and with the
-  pair's drafter (default shape);
+  pair's drafter (the engine's default caps, each step's shape planned within them: `PlannedDrafts`);
 - transformers `generate` and assisted generation (`assistant_model=`, the pair's drafter as a
   causal LM; a feature drafter is not one, so that row says why it is absent) at the whole
   machine's threads, fp32, from the same GGUF files (specmesh.loader's cached conversion);
@@ -220,7 +220,7 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     dt, vt = service_threads(service_threads_asked)
     rows = service_rows(f"drafter {dt}, verifier {vt}") + ([] if services_only else loaded.rows)
     live = [r for r in rows if r.status == "ok"]
-    stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default shape
+    stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default caps, planned within
     procs = {"drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", str(dt),
                               "--dtype", dtype)}
     verifier = ("verifier_service", "--threads", str(vt), "--target", loaded.target, "--dtype", dtype,
@@ -263,7 +263,8 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
                                 f"pipelining-on rows then ran on a second verifier started with --pipelining on"
                                 if not pipelines else "the verifier pipelines by default here",
             "default_shape": f"services: the verifier's defaults (no budget/depth sent); in-process: "
-                             f"budget {spec.budget}, depth {spec.depth} (specmesh.engine.SpecConfig)",
+                             f"caps budget {spec.budget}, depth {spec.depth} (specmesh.engine.SpecConfig), each "
+                             f"step's shape planned within them (specmesh.engine.PlannedDrafts)",
             "results": summarise(rows, len(prompts))}
 
 

@@ -210,7 +210,7 @@ def run_inproc(c: Config, model, ids: list[int], expected: list[int], max_tokens
     drafter = None
     if c.drafter != "none":
         drafter = OracleDrafter(ids + expected, 0.8, model.config.vocab_size, seed=0, draft_cost_s=c.cost_s)
-    generate_inproc(c, model, ids, expected, max_tokens, drafter, SpecConfig(DEPTH, DEPTH))
+    generate_inproc(c, model, ids, expected, max_tokens, drafter, SpecConfig(DEPTH, DEPTH, fixed=True))
 
 
 def generate_inproc(c: Config, model, ids: list[int], expected: list[int] | None, max_tokens: int, drafter,

@@ -12,13 +12,16 @@ token but the pending one (fp16, `features[j]` is the state after `tokens[j]`, t
 `tokens[j + 1]`): what a feature drafter (EAGLE-style, `specmesh.drafters.feature`) drafts from.
 The forward computes them anyway; keeping them costs hidden_size x 2 bytes per token.
 
-`generate` drives a TargetSession and a DraftSession, applies stop conditions, and measures.
+`generate` drives a TargetSession and a DraftSession, applies stop conditions, and measures. Its
+trees are planned as a drafter service plans them (`PlannedDrafts`: `specmesh.planner` over the
+pair's costs, measured once per process), or drafted as the fixed shape asked for (`LocalDrafts`).
 The engine works on token ids only; text (stop strings) goes through an optional `decode`.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
@@ -29,11 +32,13 @@ from specmesh.drafters.base import Drafter, DraftSession, FeatureRows, guided, t
 from specmesh.model import Transformer
 from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES, check_ids
 from specmesh.logprobs import TokenLogprob, check_logprobs
+from specmesh.planner import Acceptance, Costs, StepTable
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
 from specmesh.text import StopConditions, first_stop  # StopConditions: in generate's signature, so also here
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree
 
 if TYPE_CHECKING:
+    from specmesh.drafters.predraft import StepTree
     from specmesh.grammar import Constraint
 
 
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 class SpecConfig:
     """Speculation shape: `budget` draft nodes per step, at most `depth` deep (chain: equal). A
     remote drafter's planner (`specmesh.planner`) picks each step's shape within them; `fixed`:
-    exactly this shape (the in-process engine always drafts it)."""
+    exactly this shape. The in-process engine plans as a drafter service does (`PlannedDrafts`)."""
 
     budget: int = 8
     depth: int = 4
@@ -239,7 +244,8 @@ class TreeSource(Protocol):
 
 
 class LocalDrafts:
-    """TreeSource over an in-process DraftSession; `guide`: what shapes the turn's q beyond the
+    """TreeSource over an in-process DraftSession, drafting `spec`'s shape every step as drafted
+    (the engine validates a drafter's raw trees); `guide`: what shapes the turn's q beyond the
     drafter's model (`drafters.base.DraftGuide`: a grammar, penalties), or None."""
 
     def __init__(self, session: DraftSession, spec: SpecConfig, params: SamplingParams,
@@ -254,6 +260,96 @@ class LocalDrafts:
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
                   features: torch.Tensor | None = None, verify_s: float = 0.0) -> None:
         self.session.commit(new_tokens, features)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class PlannedDrafts:
+    """TreeSource over an in-process DraftSession, planned as a drafter service plans it: each tree
+    comes from a `DraftAhead` (not pipelined) whose planner picks the step's shape within `spec`'s
+    caps, or a run of one-row steps without a tree (`StepTree.plain`), from what `planning`
+    measured on this machine (`planning_for`); `grammar`: the turn's (`specmesh.grammar.Guide`), or
+    None. A plain run is kept as a remote drafter's is (`verifier_service.drafter_link.RemoteDrafts`):
+    its tokens go to the drafter in one extension at its end."""
+
+    def __init__(self, session: DraftSession, context_len: int, spec: SpecConfig, params: SamplingParams,
+                 planning: LocalPlanning, grammar=None) -> None:
+        from specmesh.drafters.predraft import DraftAhead
+
+        planning.costs.set_verify_cost(planning.steps.points())
+        self.spec, self.planning = spec, planning
+        self.ahead = DraftAhead(session, context_len, params, False, costs=planning.costs, recent=planning.recent,
+                                grammar=grammar)
+        self._next: StepTree | None = None
+        self._run_left = 0  # one-row steps left in the plain run asked for (this one included)
+        self._run: list[int] = []
+        self._run_features: list[torch.Tensor] = []
+
+    def next_tree(self, budget: int) -> DraftTree:
+        if self._next is None:
+            self._next = self.ahead.first(self.spec.budget, self.spec.depth)
+        if self._run_left:
+            return DraftTree.empty()
+        tree = self._next.tree
+        if not tree.tokens and self._next.plain > 1:
+            self._run_left = self._next.plain
+        return tree
+
+    def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
+                  features: torch.Tensor | None = None, verify_s: float = 0.0) -> None:
+        assert self._next is not None
+        if verify_s > 0:
+            self.planning.steps.add(1 + len(tree), verify_s)
+        b, d = self.spec.budget, self.spec.depth
+        if self._run_left:
+            self._run_left -= 1
+            self._run.extend(new_tokens)
+            if features is not None:
+                self._run_features.append(features)
+            if not self._run_left:
+                fed = torch.cat(self._run_features) if self._run_features else None
+                self._next = self.ahead.extend(self._run, b, d, features=fed, same_turn=True)
+                self._run, self._run_features = [], []
+            return
+        self._next = self.ahead.commit(self._next.step, new_tokens[:-1], new_tokens[-1], b, d, features,
+                                       verify_s=verify_s)
+
+    def close(self) -> None:
+        self.ahead.close()
+
+
+@dataclass
+class LocalPlanning:
+    """What the in-process planner measured for one (target, drafter) pair, kept for the process's
+    later generations as a drafter service keeps it for its sessions: the drafter's costs
+    (calibrated on first use, `calibrated_costs`), its recent sessions' acceptance, and the
+    target's step by rows (`measure_steps` on first use, corrected by live steps: `StepTable`)."""
+
+    costs: Costs
+    recent: Acceptance
+    steps: StepTable
+    drafter: weakref.ref  # the entry is found by the drafter's identity (not held: it may hold the target)
+
+
+_planning: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> [LocalPlanning]
+
+
+def planning_for(model: Transformer, drafter: Drafter) -> LocalPlanning:
+    """The pair's `LocalPlanning`, measured now the first time (a few seconds for a 1.5B target on
+    a CPU; once per process and pair)."""
+    from specmesh.drafters.predraft import calibrated_costs
+
+    entries = _planning.setdefault(model, [])
+    entries[:] = [e for e in entries if e.drafter() is not None]
+    for e in entries:
+        if e.drafter() is drafter:
+            return e
+    costs = calibrated_costs(drafter, model.config.vocab_size)
+    costs.link_s = 0.0  # no link in process (what a step's window holds beyond the forward is measured)
+    e = LocalPlanning(costs, Acceptance(), StepTable(measure_steps(model)), weakref.ref(drafter))
+    entries.append(e)
+    return e
 
 
 def run_turn(
@@ -389,22 +485,28 @@ def generate_stream(
     check_logprobs(logprobs)
     res = result if result is not None else GenerationResult()
     res.stats.prompt_tokens = len(prompt_ids)
+    # a seeded request drafts fixed shapes, as the verifier's do: a plan follows measured times,
+    # and the same seed must give the same output. The pair's first plan measures it, untimed.
+    planned = drafter is not None and not spec.fixed and params.seed is None
+    planning = planning_for(model, drafter) if planned else None
     t0 = time.perf_counter()
     generator = make_generator(params)
     features = drafter is not None and drafter.needs_features
     target = TargetSession(model, prompt_ids, features)
-    session = drafter.open(prompt_ids, target.features if features else None) if drafter is not None else None
-    grammar = constraint.guide() if session is not None and constraint is not None else None
-    guide = turn_guide(params, len(prompt_ids), grammar) if session is not None else None
-    source = LocalDrafts(session, spec, params, generator, guide) if session is not None else None
+    source = None
+    if drafter is not None:
+        session = drafter.open(prompt_ids, target.features if features else None)
+        grammar = constraint.guide() if constraint is not None else None
+        source = (PlannedDrafts(session, len(prompt_ids), spec, params, planning, grammar) if planning is not None
+                  else LocalDrafts(session, spec, params, generator, turn_guide(params, len(prompt_ids), grammar)))
     try:
         for chunk in run_turn(target, source, params, generator, stop, decode, res, logprobs, 0, constraint):
             res.stats.total_s = time.perf_counter() - t0  # includes the prefill
             yield chunk
         res.stats.total_s = time.perf_counter() - t0
     finally:
-        if session is not None:
-            session.close()
+        if source is not None:
+            source.close()
 
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, stop: StopConditions,

@@ -106,7 +106,8 @@ def _tiny_random_drafter(model):
     return ModelDrafter(model_from_hf(cfg, LlamaForCausalLM(cfg).state_dict()))
 
 
-# (drafter, tree budget at depth 4: 4 = chain); adversarial drafters send maximal trees anyway.
+# (drafter, tree budget at depth 4: 4 = chain), drafted as that fixed shape (planned shapes:
+# test_planned_generation_identical_to_plain); adversarial drafters send maximal trees anyway.
 DRAFTERS = [("none", 4), ("ngram", 12), ("self-model", 4), ("self-model", 12), ("random-model", 8),
             ("oracle-0.7", 4), ("oracle-0.7", 12), ("adv-random", 8), ("adv-duplicates", 8), ("adv-invalid", 8)]
 
@@ -126,13 +127,43 @@ def test_greedy_identical_to_transformers(bundle, drafter, budget):
             "adv-invalid": AdversarialDrafter(vocab, "invalid", i),
         }[drafter]
         stop = StopConditions(NEW_TOKENS, frozenset([tok.eos_token_id]))
-        res = generate(model, ids, SamplingParams(), stop, d, SpecConfig(budget, 4))
+        res = generate(model, ids, SamplingParams(), stop, d, SpecConfig(budget, 4, fixed=True))
         assert res.token_ids == expected, f"prompt {i} with {drafter}"
         assert res.stats.new_tokens == len(expected)
         if drafter == "self-model":  # the target drafting for itself is always right
             assert res.stats.tokens_per_step >= 3
         if drafter == "adv-invalid":
             assert res.stats.rejected_trees == res.stats.steps and res.stats.accepted_tokens == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "self-model", "random-model", "oracle-0.7"])
+def test_planned_generation_identical_to_plain(bundle, drafter):
+    """Without `fixed`, the engine plans each step's shape within the caps, as a drafter service
+    does (`PlannedDrafts`), from costs measured once per process and pair: greedy output is the
+    target's whatever it picks, runs of plain steps included (a random drafter's trees are soon
+    not worth drafting: it drafts fewer nodes than its fixed shape would)."""
+    from specmesh.engine import GenerationResult, generate_stream, planning_for
+
+    model, tok, _hf, cases = bundle
+    vocab = model.config.vocab_size
+    d = {"ngram": NgramDrafter(), "self-model": ModelDrafter(model),
+         "random-model": _tiny_random_drafter(model) if drafter == "random-model" else None,
+         "oracle-0.7": OracleDrafter(cases[0][0] + cases[0][1], 0.7, vocab, seed=0)}[drafter]
+    planning = planning_for(model, d)
+    assert planning_for(model, d) is planning  # measured once per pair
+    assert [r for r, _ in planning.steps.points()][:3] == [1, 2, 3]  # the target's step by rows, measured
+    for ids, expected in cases[:1] if drafter == "oracle-0.7" else cases:
+        res = GenerationResult()
+        stop = StopConditions(NEW_TOKENS, frozenset([tok.eos_token_id]))
+        out = [t for ids_ in generate_stream(model, ids, SamplingParams(), stop, d, SpecConfig(8, 4), result=res)
+               for t in ids_]
+        assert out == res.token_ids == expected, f"{drafter}"
+        if drafter == "self-model":
+            assert res.stats.accepted_tokens > 0
+        if drafter == "random-model":
+            assert res.stats.drafted_tokens < 8 * res.stats.steps
+    assert sum(planning.recent.tried[0]) > 0  # the sessions' acceptance is the next ones' prior
 
 
 @pytest.mark.slow
@@ -166,7 +197,7 @@ def test_stop_conditions(bundle):
     n = len(expected) - 1
     assert expected[-1] == tok.eos_token_id
     oracle = OracleDrafter(ids + expected, 1.0, model.config.vocab_size)
-    res = generate(model, ids, SamplingParams(), StopConditions(n, eos), oracle, SpecConfig(n, n))
+    res = generate(model, ids, SamplingParams(), StopConditions(n, eos), oracle, SpecConfig(n, n, fixed=True))
     assert res.finish_reason == "length" and res.token_ids == expected[:n]
     # stop string: generation ends at the token that completes it
     text = tok.decode(expected)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh import planner
-from specmesh.drafters.base import DraftSession, guided, turn_guide
+from specmesh.drafters.base import Drafter, DraftSession, guided, turn_guide
 from specmesh.drafters.pick import next_tree_from, pick_predrafted, useful_depth
 from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Costs, Plan, predraft_shape
 from specmesh.sampling import SamplingParams, make_generator
@@ -62,7 +62,7 @@ from specmesh.tree import ROOT, DraftTree, children_of, main_path, subtree, trim
 
 __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "SessionClosedError", "main_path",
            "subtree", "trim", "trim_nodes", "predraft_shape", "pick_predrafted", "useful_depth", "next_tree_from",
-           "draft_generator", "calibrate"]
+           "draft_generator", "calibrate", "calibrated_costs"]
 # What the drafter's recent sessions weigh in a new session's acceptance: a few of the session's own
 # steps outweigh it, since acceptance differs between prompts (code, prose) far more than within one.
 PRIOR_OBSERVATIONS = 8.0
@@ -494,3 +494,18 @@ def calibrate(session: DraftSession, context: list[int], costs: Costs, rounds: i
 
         shapes = [(0, 2, 4, 2), (0, 2, 8, 4), (0, 4, 4, 2), (0, 4, 8, 3), (8, 2, 4, 2), (8, 4, 8, 3)]
         costs.draft_many.fit_shape([timed(fed, many(*shape)) for fed, *shape in shapes * rounds])
+
+
+def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
+    """The drafter's costs by levels and rows, measured now on a short context (`calibrate`), so
+    that the first sessions' plans already price width (a feature drafter on zero features: what
+    a call costs does not depend on their values)."""
+    costs = Costs()
+    context = list(range(1, 1 + min(16, vocab_size or 16)))
+    dim = drafter.feature_dim if drafter.needs_features else 0
+    session = drafter.open(context, torch.zeros(len(context) - 1, dim) if dim else None)
+    try:
+        calibrate(session, context, costs, feature_dim=dim)
+    finally:
+        session.close()
+    return costs
