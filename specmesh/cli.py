@@ -29,8 +29,11 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="auto | none | ngram | model:PATH | oracle:ALPHA "
                    "(auto: the bundled trained drafter with the bundled target, else ngram)")
-    p.add_argument("--tree-budget", type=int, default=8, help="draft nodes per step (chain: = depth)")
+    p.add_argument("--tree-budget", type=int, default=8,
+                   help="draft nodes per step at most: the planner picks each step's shape within (chain: = depth)")
     p.add_argument("--depth", type=int, default=4, help="maximum draft tree depth")
+    p.add_argument("--fixed-shape", action="store_true",
+                   help="draft exactly --tree-budget/--depth every step instead of planning (as a seeded request does)")
     p.add_argument("--target", default=None, help="HF folder, .safetensors or .gguf (default: bundled SmolLM2)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("SPECMESH_THREADS", "0")) or None,
                    help="torch threads for this process (default: torch's own choice)")
@@ -108,7 +111,7 @@ def _cmd_generate_remote(args: argparse.Namespace) -> int:
         stream = client.generate(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, session_id=args.session_id, speculate=args.drafter != "none",
-            budget=args.tree_budget, depth=args.depth)
+            budget=args.tree_budget, depth=args.depth, fixed_shape=args.fixed_shape)
         for chunk in stream:
             if not args.json:
                 print(chunk.text, end="", flush=True)
@@ -138,7 +141,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params.validate()
     args.drafter = resolve_auto(args.drafter, args.target)
     kind, arg = parse_drafter_spec(args.drafter)
-    spec = SpecConfig(args.tree_budget, args.depth)
+    spec = SpecConfig(args.tree_budget, args.depth, args.fixed_shape)
     spec.validate()
     from specmesh.device import parse_dtype
     from specmesh.loader import bundled_target_path, load_model, load_tokenizer

@@ -109,11 +109,13 @@ class Model:
 def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, session_id: str = "",
-                  speculate: bool = True, budget: int = 0, depth: int = 0, logprobs: int | None = None,
+                  speculate: bool = True, budget: int = 0, depth: int = 0, fixed_shape: bool = False,
+                  logprobs: int | None = None,
                   prompt_logprobs: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
                   min_tokens: int = 0, structured: dict | None = None) -> verifier_pb2.GenerateRequest:
-    """The GenerateRequest of one turn (budget/depth 0 = the verifier's defaults). `logprobs`: the
+    """The GenerateRequest of one turn (budget/depth 0 = the verifier's defaults: caps within which
+    the drafter plans each step's shape; `fixed_shape`: exactly that shape). `logprobs`: the
     target's log-probability of each generated token with this many alternatives (0..20; None =
     none); `prompt_logprobs`: also of the prompt's tokens (needs `logprobs`). Penalties: as in
     OpenAI's and vLLM's APIs (common.proto SamplingParams says the order). `structured`: the
@@ -128,7 +130,8 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     req = verifier_pb2.GenerateRequest(
         session_id=session_id, sampling=sampling, max_tokens=max_tokens, stop=list(stop),
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        speculation=verifier_pb2.SpeculationOptions(disabled=not speculate, budget=budget, depth=depth),
+        speculation=verifier_pb2.SpeculationOptions(disabled=not speculate, budget=budget, depth=depth,
+                                                    fixed=fixed_shape),
         prompt_logprobs=prompt_logprobs)
     if logprobs is not None:
         req.logprobs = logprobs
@@ -281,7 +284,7 @@ class Client(_Base):
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, api_key: str | None = None,
                  **params) -> Stream:
         """Stream one turn. `params`: max_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, session_id, speculate, budget, depth, logprobs, prompt_logprobs,
+        stop_token_ids, ignore_eos, session_id, speculate, budget, depth, fixed_shape, logprobs, prompt_logprobs,
         presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, structured
         (see build_request)."""
         return Stream(self, build_request(prompt, **params), timeout or self.timeout, api_key or self.api_key)
