@@ -195,8 +195,8 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rejected_trees: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_s: float = 0.0  # getting trees, and handing each step's outcome to the drafter (a planned
+    verify_s: float = 0.0  # in-process drafter drafts the next tree then); verify_s: the target's steps
     total_s: float = 0.0
 
     @property
@@ -403,7 +403,9 @@ def run_turn(
         st.drafted_tokens += len(tree)
         st.accepted_tokens += len(verdict.accepted)
         if source is not None:
+            t = time.perf_counter()
             source.committed(tree, verdict, new, target.new_features(len(new)), verify_s)
+            st.draft_s += time.perf_counter() - t
         # 3. stop conditions
         before = len(out)
         out.extend(new)
