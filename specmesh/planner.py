@@ -31,7 +31,8 @@ a run), maximising expected tokens per second:
 Pipelined steps are then scaled by `Costs.overlap_factor`: how much further measured step periods
 ran from their predictions with work overlapped than without. What the cost terms cannot see
 (two processes whose threads contend for the same cores) so turns pipelining off by measurement.
-This module knows nothing of sessions, transport or models.
+An overlapped plan must beat the best sequential one by OVERLAP_MARGIN: "pipelining never slower
+than not" is worth more than a predicted near-tie. This module knows nothing of sessions, transport or models.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ PRIOR_WEIGHT = 2.0  # observations the prior is worth
 PERIOD_PRIOR = 2.0  # steps that "the prediction was right" is worth in `Costs.period_ratio`
 PERIOD_FORGET = 0.97  # each measured step period weighs this much less with every later one of its kind ...
 CROSS_FORGET = 0.995  # ... and this much less with every later one of the other kind
+# an overlapped plan is taken only when predicted this much faster than the best sequential one:
+# its prediction stacks more estimates (hit odds, the overlapped verification, the overlap
+# factor), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
+OVERLAP_MARGIN = 0.05
 
 
 class LinearCost:
@@ -499,7 +504,8 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
     calibration = acc.bonus_calibration
-    best: Plan | None = None
+    best: Plan | None = None  # the best plan that overlaps nothing ...
+    ahead: Plan | None = None  # ... and the best that puts drafter work beside the verification
     overlap = costs.overlap_factor() if pipelined else 1.0
     if not (fixed or speculate):
         # the drafter feeds each committed token once anyway: later, before the next tree, or
@@ -508,7 +514,6 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
         best = Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0))
         if pipelined:
             ahead = Plan(0, 0, (), 0, 1.0, step * overlap, feed=True)
-            best = ahead if ahead.tokens_per_s > best.tokens_per_s else best
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
@@ -534,8 +539,14 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     step = (max(v, pre) + (1.0 - hit) * fresh) * overlap
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
         for p in options:
-            if best is None or p.tokens_per_s > best.tokens_per_s:
+            if p.overlapped:
+                if ahead is None or p.tokens_per_s > ahead.tokens_per_s:
+                    ahead = p
+            elif best is None or p.tokens_per_s > best.tokens_per_s:
                 best = p
+    margin = OVERLAP_MARGIN if costs.verify_known else 0.0  # no measurement yet: the priors' bet
+    if ahead is not None and (best is None or ahead.tokens_per_s > (1.0 + margin) * best.tokens_per_s):
+        best = ahead
     assert best is not None
     return best if costs.verify_known else replace(best, informed=False)
 

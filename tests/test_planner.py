@@ -8,6 +8,7 @@ import pytest
 
 from specmesh.planner import (
     MAX_OUTCOMES,
+    OVERLAP_MARGIN,
     Acceptance,
     Costs,
     LinearCost,
@@ -207,15 +208,17 @@ def test_a_depth_never_reached_takes_the_sessions_pooled_rate() -> None:
 
 def test_bonus_hits_below_prediction_turn_predrafting_off() -> None:
     # a drafter whose width is cheap, the verification slower than drafting (10% slower beside a
-    # predraft, as measured): predrafting pays while the bonus candidates hit as their rank rates
-    # say, and stops once the session shows that they hit far less often (as a feature drafter's
-    # guesses from predicted features do)
+    # predraft, as measured): predrafting pays (by more than OVERLAP_MARGIN) while the bonus
+    # candidates hit as their rank rates say, and stops once the session shows that they hit far
+    # less often (as a feature drafter's guesses from predicted features do)
     costs = _costs(0.01, 0.0005, 0.03, 0.004, link_s=0.002)
     costs.verify_overlapped = LinearCost((0.033, 0.0044))
     costs.verify_overlapped.add((1.0, 2.0), 0.0418)
     costs.verify.add((1.0, 2.0), 0.038)
-    acc = _acceptance(0.6, n=1000.0)
-    assert plan(costs, acc, 8, 4, pipelined=True, batched=False).outcomes
+    acc = _acceptance(0.8, n=1000.0)
+    ahead = plan(costs, acc, 8, 4, pipelined=True, batched=False)
+    assert ahead.outcomes
+    assert ahead.tokens_per_s > (1 + OVERLAP_MARGIN) * plan(costs, acc, 8, 4, pipelined=False, batched=False).tokens_per_s
     for _ in range(200):
         acc.observe_bonus(0.6, False)
     assert acc.bonus_calibration < 0.05
@@ -402,3 +405,20 @@ def test_a_plain_run_pays_the_link_once() -> None:
     costs, acc = _costs(0.004, 0.001, 0.02, 0.002, link_s=0.01, fed_s=0.0001), _acceptance(0.45)
     assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=1).budget >= 1
     assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16).budget == 0
+
+
+def test_a_predicted_near_tie_is_not_pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
+    # predrafting predicted ~2% faster than drafting in turn (a verification 10% slower beside a
+    # predraft, acceptance 0.6): within OVERLAP_MARGIN, so the step is planned sequential; a
+    # planner without the margin would have overlapped it
+    costs = _costs(0.01, 0.0005, 0.03, 0.004, link_s=0.002)
+    costs.verify_overlapped = LinearCost((0.033, 0.0044))
+    costs.verify_overlapped.add((1.0, 2.0), 0.0418)
+    costs.verify.add((1.0, 2.0), 0.038)
+    acc = _acceptance(0.6, n=1000.0)
+    chosen = plan(costs, acc, 8, 4, pipelined=True, batched=False)
+    sequential = plan(costs, acc, 8, 4, pipelined=False, batched=False)
+    assert not chosen.overlapped and chosen == sequential
+    monkeypatch.setattr("specmesh.planner.OVERLAP_MARGIN", 0.0)
+    tie = plan(costs, acc, 8, 4, pipelined=True, batched=False)
+    assert tie.overlapped and 1.0 < tie.tokens_per_s / sequential.tokens_per_s < 1.0 + OVERLAP_MARGIN
