@@ -8,8 +8,10 @@ per session, the verifier with --no-batching — and (b) `BatchingTarget` — th
 a shared machine's noise hits both alike. Reported: aggregate tokens/s, the ratio batched /
 unbatched, rows per forward, and whether every session's greedy output equals its sequential
 reference (it must). torch uses `--threads` intra-op threads (default 1, as the verifier).
+`--tp N`: the target is a TP group of N ranks (verifier_service.tp_group, gloo on 127.0.0.1,
+`--threads` per rank) and the batches are its BATCH ops; the references are the group's own.
 
-Usage: python -m loadtest.bench_batching [--sessions 1,2,4] [--max-tokens 32] [--out FILE]
+Usage: python -m loadtest.bench_batching [--sessions 1,2,4] [--max-tokens 32] [--tp N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default="bench_batching.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -41,10 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     from specmesh.sampling import SamplingParams
 
     model, tok = load_target(None)
+    group = None
+    if args.tp > 1:
+        from specmesh.loader import bundled_target_path
+        from verifier_service.tp_group import start_tp
+
+        group = start_tp(bundled_target_path(), args.tp, threads_per_rank=args.threads)
+    target_model = group or model
     levels = [int(x) for x in args.sessions.split(",")]
     prompts = [encode_prompt(tok, PROMPTS[i % len(PROMPTS)], chat=True) for i in range(max(levels))]
     stop, greedy, spec = StopConditions(args.max_tokens), SamplingParams(), SpecConfig(budget=DEPTH, depth=DEPTH, fixed=True)
-    refs = [generate(model, p, greedy, stop).token_ids for p in prompts]  # warm-up and references
+    refs = [generate(target_model, p, greedy, stop).token_ids for p in prompts]  # warm-up and references
 
     def run(target, n: int) -> tuple[float, int, bool]:
         outs: list = [None] * n
@@ -66,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.reps):
         for n in levels:
             for mode in ("unbatched", "batched"):
-                target = BatchingTarget(model) if mode == "batched" else model
+                target = BatchingTarget(target_model) if mode == "batched" else target_model
                 seconds, tokens, same = run(target, n)
                 r = rows.setdefault((n, mode), {"sessions": n, "mode": mode, "seconds": 0.0, "tokens": 0,
                                                 "identical": True, "forwards": 0, "segments": 0})
@@ -76,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "batched":
                     r["forwards"] += target.stats.forwards
                     r["segments"] += target.stats.segments
+    if group is not None:
+        group.shutdown()
     results = []
     for (n, mode), r in rows.items():
         r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 2)
@@ -84,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             r["speedup_vs_unbatched"] = round(r["tokens_per_s"] / rows[(n, "unbatched")]["tokens_per_s"], 3)
         r["seconds"] = round(r["seconds"], 3)
         results.append(r)
-    meta = base_meta() | {"max_tokens": args.max_tokens, "reps": args.reps,
+    meta = base_meta() | {"max_tokens": args.max_tokens, "reps": args.reps, "tp": args.tp,
                           "drafter": f"oracle alpha {ALPHA}, chains of {DEPTH}, cost-free",
                           "compared": "N sessions in N threads: BatchingTarget vs one forward per session "
                                       "(same process)"}
@@ -93,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(meta: dict, results: list[dict]) -> str:
-    lines = [f"commit {meta['commit']} · {meta['max_tokens']} tokens per session x {meta['reps']} reps · "
-             f"{meta['torch_threads']} torch thread(s) · {meta['drafter']}", "",
+    lines = [f"commit {meta['commit']} · {meta.get('cpu', '?')} · {meta['max_tokens']} tokens per session x "
+             f"{meta['reps']} reps · TP {meta.get('tp', 1)} · {meta['torch_threads']} torch thread(s) per rank · "
+             f"{meta['drafter']}", "",
              "| sessions | mode | tok/s (all sessions) | vs unbatched | sessions per forward | identical |",
              "|---|---|---|---|---|---|"]
     for r in results:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh import kernels
+from specmesh.kernels import dispatch as _dispatch
 
 PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -90,7 +91,8 @@ def _commit() -> str:
 def base_meta() -> dict:
     """What every benchmark records about its run: the code, when, the machine, threads, the kernel."""
     return {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(), "cpu": _dispatch.cpu_model(),
+            "torch_threads": torch.get_num_threads(),
             "small_m_kernel": kernels.active() or kernels.reason(),
             "kernel_dispatch": kernels.describe()}  # per weight shape: kernel or torch, and the times (call after loading)
 

@@ -1,7 +1,8 @@
 """Batched verification across sessions: concurrent callers' forwards run as one forward.
 
-`BatchingTarget` wraps a `Transformer` and is used exactly like one by `TargetSession` (call,
-`new_cache`, `config`). A call queues a `Segment` (its tokens, its cache) and waits. Whoever finds
+`BatchingTarget` wraps a `Transformer`, or a TP group's `TPModel` (verifier_service.tp_group,
+whose `forward_batch` runs the batch on every rank), and is used exactly like one by
+`TargetSession` (call, `new_cache`, `config`). A call queues a `Segment` (its tokens, its cache) and waits. Whoever finds
 no batch running becomes the runner: it takes what is queued — up to `max_rows` rows (a request
 larger than that runs alone) — runs `Transformer.forward_batch`, hands every caller its logits,
 and goes on until its own request is done; then another waiting caller takes over. There is no
@@ -63,6 +64,13 @@ class BatchingTarget:
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return self.model.new_cache(capacity)
+
+    def __getattr__(self, name: str):
+        """The wrapped model's other attributes (its `weight_format`; a TP group's `healthy`,
+        `shutdown`, `device`, ...): the verifier holds this in the model's place."""
+        if name == "model":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
                  mask: torch.Tensor | None = None,

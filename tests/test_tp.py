@@ -6,7 +6,9 @@
   2 and 3 ranks); too many ranks for the K/V heads is a ValueError.
 - A real TP=2 group (gloo on 127.0.0.1, a worker process) over tiny random Llama and Qwen2 models:
   logits within 1e-4 of one rank for prefill and a tree step, greedy generation token-identical
-  with and without a drafter, sessions interleaved or in concurrent threads stay correct.
+  with and without a drafter, sessions interleaved or in concurrent threads stay correct; several
+  sessions' forwards as one BATCH op equal each alone to the bit, and concurrent sessions through
+  `specmesh.batching` over the group generate what each does alone.
 - Shutdown reaps every worker; a killed or stalled worker makes calls fail with TPGroupError
   instead of hanging rank 0.
 - slow: the bundled SmolLM2 at TP=2 (its 3 K/V heads split 2+1) generates exactly what one rank does.
@@ -27,7 +29,8 @@ from transformers import LlamaConfig, Qwen2Config
 from specmesh.drafters import NgramDrafter
 from specmesh.engine import StopConditions, generate, generate_stream
 from specmesh.loader import bundled_target_path, load_model, load_tokenizer, model_from_hf
-from specmesh.model import ModelConfig, Transformer
+from specmesh.batching import BatchingTarget
+from specmesh.model import ModelConfig, Segment, Transformer
 from specmesh.runtime import encode_prompt
 from specmesh.sampling import SamplingParams
 from specmesh.tp import apply_tp, shard_sizes
@@ -275,6 +278,72 @@ class TestTwoRanks:
             t.join(60)
         assert got == want
         assert tp.healthy
+
+    def test_a_batched_forward_gives_each_session_its_own_forward(self, pair):
+        # three sessions' steps (a tree, a decode, a prefill) as one BATCH op equal, to the bit,
+        # each run alone over the same group: how specmesh.batching verifies sessions at TP > 1
+        one, tp = pair
+        prompts = [PROMPT, [40, 41, 42, 40, 41, 42, 40], [1, 2, 3, 4]]
+
+        def steps(cache, prompt, i):  # (tokens, positions, start, mask) of session i's next forward
+            n = len(prompt)
+            if i == 0:  # a tree after the pending token
+                start = n - 1
+                mask = torch.ones(1 + len(PARENTS), start + 1 + len(PARENTS), dtype=torch.bool)
+                mask[0, start + 1:] = False
+                mask[1:, start + 1:] = tree_attention_mask(PARENTS)
+                pos = torch.tensor([0] + depths(PARENTS)) + start
+                return torch.tensor([prompt[-1], 7, 8, 9, 10, 11, 12]), pos, start, mask
+            if i == 1:  # one-token decode
+                return torch.tensor([prompt[-1]]), torch.tensor([n - 1]), n - 1, None
+            return torch.tensor([5, 6]), torch.tensor([n - 1, n]), n - 1, None  # two rows, causal
+
+        def prefilled():
+            caches = []
+            for p in prompts:
+                c = tp.new_cache(64)
+                tp(torch.tensor(p[:-1]), torch.arange(len(p) - 1), c, 0, logits_rows=None)
+                c.commit(list(range(len(p) - 1)))
+                caches.append(c)
+            return caches
+
+        alone = [tp(*steps(c, p, i)[:2], c, steps(c, p, i)[2], steps(c, p, i)[3])
+                 for i, (c, p) in enumerate(zip(prefilled(), prompts))]
+        batch = [Segment(*steps(c, p, i)[:2], c, steps(c, p, i)[2], steps(c, p, i)[3])
+                 for i, (c, p) in enumerate(zip(prefilled(), prompts))]
+        together = tp.forward_batch(batch)
+        assert all(torch.equal(a, t) for a, t in zip(alone, together))
+        with pytest.raises(ValueError, match="mask"):  # bad input: refused before any rank runs it
+            tp.forward_batch([Segment(torch.tensor([1, 2]), torch.arange(2), tp.new_cache(), 0,
+                                      torch.ones(2, 3, dtype=torch.bool))])
+        with pytest.raises(ValueError, match="twice"):
+            c = prefilled()[0]
+            tp.forward_batch([Segment(torch.tensor([1]), torch.tensor([16]), c, 16)] * 2)
+        assert tp.healthy
+        _assert_close(_prefill_and_tree(tp), _prefill_and_tree(one))
+
+    def test_concurrent_sessions_batched_generate_what_each_does_alone(self, pair):
+        _, tp = pair
+        prompts = [PROMPT, [40, 41, 42, 40, 41, 42, 40], [1, 2, 3], [200, 100, 200, 100]]
+        stop = StopConditions(max_new_tokens=12)
+        want = [generate(tp, p, GREEDY, stop, NgramDrafter()).token_ids for p in prompts]
+        bt = BatchingTarget(tp, gather_s=0.05)
+        got: list[object] = [None] * len(prompts)
+
+        def run(i: int) -> None:
+            try:
+                got[i] = generate(bt, prompts[i], GREEDY, stop, NgramDrafter()).token_ids
+            except BaseException as e:  # surfaced by the assert below
+                got[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == want
+        assert bt.stats.max_segments >= 2, "concurrent sessions should have shared forwards"
+        assert bt.healthy and bt.world_size == 2  # the group's own attributes, through the wrapper
 
     def test_bad_input_is_refused_and_the_group_stays_usable(self, pair):
         one, tp = pair

@@ -36,7 +36,7 @@ class VerifierConfig(ServiceConfig):
     budget: int = 8                    # default cap on draft nodes per step (the drafter's planner picks within)
     depth: int = 4                     # default cap on tree depth
     pipelining: str = "auto"           # drafters predraft the next step: auto | on | off (`pipelines`)
-    batching: str = "auto"             # TP=1: sessions share forwards (specmesh.batching): on | off | auto
+    batching: str = "auto"             # CPU: sessions share forwards (specmesh.batching): on | off | auto
     draft_deadline_s: float = 1.0      # cap on the wait for a tree (derived from the drafter's measured answers)
     reconnect_s: float = 2.0           # retry a failed drafter after this long
     max_sessions: int = 64             # sessions whose KV cache is kept (LRU beyond)
@@ -138,8 +138,10 @@ class VerifierConfig(ServiceConfig):
 
     @property
     def batched(self) -> bool:
-        """Whether sessions share forwards: TP=1 only; `auto` = with more than one torch thread."""
-        return self.tp == 1 and (self.batching == "on" or (self.batching == "auto" and self.threads > 1))
+        """Whether sessions share forwards (on a CPU target, at any TP): `auto` = at TP > 1, or with
+        more than one torch thread (at TP=1 and one thread, sessions' separate forwards on separate
+        cores measured faster; a TP group's forward already takes every rank's cores)."""
+        return self.batching == "on" or (self.batching == "auto" and (self.tp > 1 or self.threads > 1))
 
 
 def on_this_machine(address: str) -> bool:

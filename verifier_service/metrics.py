@@ -137,7 +137,7 @@ class MeteredVerifier(Verifier):
     def __init__(self, cfg: VerifierConfig, model, tokenizer) -> None:
         super().__init__(cfg, model, tokenizer)
         self.metrics = VerifierMetrics(lambda: len(self.sessions))
-        batching = getattr(model, "stats", None)  # specmesh.batching.BatchingTarget (TP=1, the default)
+        batching = getattr(model, "stats", None)  # specmesh.batching.BatchingTarget (CPU, the default)
         if batching is not None:
             r = self.metrics.registry
             r.add(Gauge(PREFIX + "batch_forwards", "Target forwards run by batched verification (since start).",

@@ -37,10 +37,7 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
     from specmesh.loader import load_model
     from specmesh.runtime import fit_threads
 
-    grouped = cfg.tp > 1 or device.type == "cuda"  # a TPModel: several ranks, or the one-rank NCCL group
-    if not grouped:
-        model = load_model(path, dtype)
-        fit_threads(model)
+    def batching(model):
         batched = cfg.batched and device.type == "cpu"  # specmesh.batching drives a CPU model
         if batched and cfg.batching == "auto" and not kernels.describe()["batch_invariant"]:
             # batched rows must compute as they would alone; some weight shapes take torch's GEMM here
@@ -51,6 +48,13 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
             from specmesh.batching import BatchingTarget
 
             model = BatchingTarget(model)
+        return model, batched
+
+    grouped = cfg.tp > 1 or device.type == "cuda"  # a TPModel: several ranks, or the one-rank NCCL group
+    if not grouped:
+        model = load_model(path, dtype)
+        fit_threads(model)
+        model, batched = batching(model)
         return model, "none", batched
     from verifier_service.tp_group import start_tp
 
@@ -64,7 +68,8 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
     model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads, listen=cfg.tp_listen or None,
                      local_ranks=cfg.tp_local_ranks or None, start_timeout_s=cfg.tp_start_timeout_s,
                      backend=backend, dtype=dtype)
-    return model, backend, False
+    model, batched = batching(model)  # every rank runs the batch's forward (tp_group's BATCH op)
+    return model, backend, batched
 
 
 def serve(cfg: VerifierConfig) -> int:

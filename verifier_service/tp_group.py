@@ -14,6 +14,9 @@ Protocol (rank 0 -> ranks 1..N-1, torch.distributed broadcasts over a gloo group
 pickling). An op is a header `int64[HEADER_LEN] = [op, cache_id, a, b, c, 0, ...]`, then:
     FORWARD   cache_id, start, T, mask_cols (0: no mask)  + int64[2, T] tokens/positions
                                                             + uint8[T, mask_cols] mask, if any
+    BATCH     -, segments n, rows R, mask bytes B          + int64[n, 4] (cache_id, start, T, mask_cols)
+              (several sessions' forwards as one:          + int64[2, R] tokens/positions
+               `forward_batch`, specmesh.batching)         + uint8[B] their masks, flattened, if any
     COMMIT    cache_id, n                                 + int64[n] slots
     TRUNCATE  cache_id, length      ENSURE  cache_id, needed      NEW  cache_id, capacity
     FREE      cache_id              NOOP    (heartbeat)           STOP
@@ -60,7 +63,7 @@ import torch.distributed as dist
 
 from specmesh.kv_cache import MIN_CAPACITY, KVCache
 from specmesh.loader import bundled_target_path, load_model, resolve_folder
-from specmesh.model import Transformer
+from specmesh.model import Segment, Transformer
 from specmesh.tp import apply_tp, check_world_size, tp_all_reduce
 from verifier_service import tp_join
 from verifier_service.tp_join import START_TIMEOUT_S, GroupSpec, JoinError, WorkerConfig
@@ -80,6 +83,7 @@ class Op(IntEnum):
     COMMIT = 6
     TRUNCATE = 7
     ENSURE = 8
+    BATCH = 9
 
 
 class TPGroupError(RuntimeError):
@@ -205,6 +209,44 @@ class TPModel:
         return self._op(header, payload, rank0)
 
     __call__ = forward
+
+    def forward_batch(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """`Transformer.forward_batch` on every rank: several sessions' rows (each `Segment` with a
+        `TPCache`) in one forward, the weights read once for all, attention per session; logits per
+        segment from rank 0 (and `hidden` where asked). How `specmesh.batching` verifies sessions
+        together at TP > 1: a row's result does not depend on the other rows on any rank (the
+        shards' products are the batch-invariant kernel's, the all-reduce sums each row apart)."""
+        if not segments:
+            return []
+        for s in segments:
+            self._check_forward(s.tokens, s.positions, s.cache, s.start, s.mask)
+            if s.features is not None:
+                raise ValueError("features: a TP target takes no drafter features")
+        if len({s.cache.id for s in segments}) != len(segments):
+            raise ValueError("forward_batch: a cache appears twice in one batch")
+        dev = self.device
+        local = [Segment(s.tokens.to(dev), s.positions.to(dev), s.cache.local, s.start,
+                         None if s.mask is None else s.mask.to(dev), s.logits_rows, want_hidden=s.want_hidden,
+                         exact=s.exact) for s in segments]
+
+        def rank0():
+            outs = self.model.forward_batch(local)
+            for s, mine in zip(segments, local):
+                s.hidden = None if mine.hidden is None else mine.hidden.to(s.tokens.device)
+            return [None if o is None else o.to(s.tokens.device) for o, s in zip(outs, segments)]
+
+        masks = [s.mask.cpu().to(torch.uint8).flatten() for s in segments if s.mask is not None]
+        mask_bytes = sum(m.numel() for m in masks)
+        header = [Op.BATCH, 0, len(segments), sum(s.tokens.shape[0] for s in segments), mask_bytes]
+        payload: list[torch.Tensor] = []
+        if self.world_size > 1:
+            payload.append(torch.tensor([[s.cache.id, s.start, s.tokens.shape[0], 0 if s.mask is None else s.mask.shape[1]]
+                                         for s in segments], dtype=torch.int64))  # [n, 4]
+            payload.append(torch.cat([torch.stack([s.tokens.cpu(), s.positions.cpu()]) for s in segments], 1)
+                           .to(torch.int64))  # [2, R]
+            if masks:
+                payload.append(torch.cat(masks))  # [B]
+        return self._op(header, payload, rank0)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop and reap the workers and destroy the process group. Idempotent."""
@@ -473,6 +515,21 @@ def serve(model: Transformer, group: dist.ProcessGroup | None, device: torch.dev
                 model(tp[0], tp[1], caches[cid], a, mask, logits_rows=None)
             except ValueError as e:
                 log.info("forward refused (as on rank 0): %s", e)
+        elif op == Op.BATCH:  # a segments, b rows, c mask bytes
+            meta = _recv((a, 4), torch.int64, group).tolist()  # (cache_id, start, T, mask_cols) each
+            tp = _recv((2, b), torch.int64, group).to(device)
+            masks = _recv((c,), torch.uint8, group).to(device).bool() if c else None
+            segments, row, at = [], 0, 0
+            for cache_id, start, t, cols in meta:
+                mask = None
+                if cols:
+                    mask, at = masks[at:at + t * cols].view(t, cols), at + t * cols
+                segments.append(Segment(tp[0, row:row + t], tp[1, row:row + t], caches[cache_id], start, mask, None))
+                row += t
+            try:
+                model.forward_batch(segments)
+            except ValueError as e:
+                log.info("batched forward refused (as on rank 0): %s", e)
         elif op == Op.COMMIT:
             caches[cid].commit(_recv((a,), torch.int64, group).tolist())
         elif op == Op.TRUNCATE:
