@@ -177,7 +177,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         grammar = self._grammar(o)
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
                              push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
-                             fixed=o.fixed_shape, grammar=grammar)
+                             fixed=o.fixed_shape, grammar=grammar, sharing=self.store.busy)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:

@@ -21,6 +21,9 @@ from collections.abc import Callable
 from specmesh.drafters.predraft import DraftAhead
 
 
+BUSY_S = 2.0  # a session that asked this recently counts as served beside the others (`busy`)
+
+
 class SessionStore:
     def __init__(self, max_sessions: int, idle_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, max_total_tokens: int | None = None) -> None:
@@ -61,6 +64,13 @@ class SessionStore:
         if entry is None or entry[0].closed:
             return None
         return entry[0]
+
+    def busy(self, window_s: float = BUSY_S) -> int:
+        """Sessions with a request in the last `window_s` (at least 1): those the drafter drafts
+        for in turn now (a session in a run of plain steps asks for nothing and drops out)."""
+        now = self._clock()
+        with self._lock:
+            return max(1, sum(1 for _, at in self._sessions.values() if now - at <= window_s))
 
     def pop(self, session_id: str) -> None:
         """Remove and close a session (no-op if unknown)."""

@@ -494,13 +494,17 @@ def outcome_odds(t: Topology, table: list[list[float]]) -> list[tuple[int, float
 
 
 def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelined: bool,
-         batched: bool, fixed: bool = False, speculate: bool = False, plain_run: int = 1) -> Plan:
+         batched: bool, fixed: bool = False, speculate: bool = False, plain_run: int = 1,
+         sharing: float = 1.0) -> Plan:
     """The best plan for the next step (see the module docstring); `fixed`: the caps are the shape,
     only the predrafts are planned; `batched`: the drafter grows several predrafts in one call
     (`draft_many`), else one call each. Not speculating at all (`Plan.budget` 0: an empty tree, a
     run of `plain_run` one-row steps with one round trip) is a candidate unless `fixed` or
     `speculate` (a probe: the acceptance it would be judged by comes only from trees that are
-    verified)."""
+    verified). `sharing`: the sessions this drafter drafts for at once (>= 1): it drafts them in
+    turn, so every tree and predraft of one session waits for the others' (a step's drafting
+    costs `sharing` times its own), while one-row steps need no drafting: as a verifier batches
+    more sessions, speculation pays less, and none at all once the drafter is the bottleneck."""
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
     calibration = acc.bonus_calibration
@@ -519,7 +523,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
         e = expected_tokens(t, table)
         v = costs.verify_s(1 + len(t.parents), False) + costs.link_s
         # a fresh tree after a miss first feeds what the step committed (e - 1 tokens beyond the bonus)
-        fresh = costs.draft(len(t.per_level), sum(t.per_level), e - 1.0, 1.0)
+        fresh = sharing * costs.draft(len(t.per_level), sum(t.per_level), e - 1.0, 1.0)
         options = [Plan(b, d, (), 0, e, v + fresh)]
         if pipelined and t.parents:
             v = costs.verify_s(1 + len(t.parents), True) + costs.link_s
@@ -534,8 +538,8 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     m, held = len(chosen), max(chosen)  # the session first feeds the path it holds
                     # one outcome is one single-tree call (DraftAhead.predraft), several one
                     # draft_many call, or one call each
-                    pre = (costs.many(levels, m * rows, held) if batched and m > 1
-                           else m * costs.draft(levels, rows, held / m, 1.0))
+                    pre = sharing * (costs.many(levels, m * rows, held) if batched and m > 1
+                                     else m * costs.draft(levels, rows, held / m, 1.0))
                     step = (max(v, pre) + (1.0 - hit) * fresh) * overlap
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
         for p in options:

@@ -422,3 +422,16 @@ def test_a_predicted_near_tie_is_not_pipelined(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("specmesh.planner.OVERLAP_MARGIN", 0.0)
     tie = plan(costs, acc, 8, 4, pipelined=True, batched=False)
     assert tie.overlapped and 1.0 < tie.tokens_per_s / sequential.tokens_per_s < 1.0 + OVERLAP_MARGIN
+
+
+def test_drafting_for_several_sessions_in_turn_makes_trees_pay_less() -> None:
+    # a tree pays for a drafter with one session; with 8 sessions drafted in turn each tree's
+    # drafting counts 8 times (the others wait for it) and one-row steps, which need none, win
+    costs = _costs(0.01, 0.001, 0.1, 0.01)
+    acc = _acceptance(0.8, n=1000.0)
+    alone = plan(costs, acc, 8, 4, pipelined=False, batched=False)
+    assert alone.budget > 0
+    shared = plan(costs, acc, 8, 4, pipelined=False, batched=False, sharing=8.0)
+    assert shared.budget == 0
+    some = plan(costs, acc, 8, 4, pipelined=False, batched=False, sharing=2.0)
+    assert some.budget == 0 or some.budget <= alone.budget  # never a bigger tree for more sessions

@@ -748,6 +748,29 @@ def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined:
     assert len(fixed.first(8, 4).tree) == 8
 
 
+def test_a_drafter_serving_several_sessions_plans_their_drafting_in_turn(tiny_model) -> None:
+    """Costs under which a tree pays for one session (a level of drafting ~ a tenth of the
+    verifier's step, half the drafted tokens accepted) but not once the drafter drafts for 8
+    sessions in turn: the same session then asks for a run of plain steps, probing 8 times less
+    often (each probe's drafting delays every session)."""
+    from specmesh.drafters.model import ModelDrafter
+
+    recent = Acceptance()
+    recent.tried[0][0], recent.accepted[0][0] = 100.0, 80.0
+    ctx = [3, 14, 15, 9, 26, 5]
+    sessions = [1]
+
+    def ahead():  # costs of its own: a drafted tree's measured time would rescale them
+        costs = Costs(draft=LinearCost((0.01, 0.001, 0.0001, 0.0)), verify=LinearCost((0.1, 0.01)))
+        return DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=False, costs=costs,
+                          recent=recent, sharing=lambda: sessions[0])
+
+    assert ahead().first(8, 4).tree.tokens
+    sessions[0] = 8
+    st = ahead().first(8, 4)
+    assert not st.tree.tokens and st.plain == 8 * predraft.PROBE_EVERY
+
+
 def test_calibration_prices_fed_tokens_apart_and_leaves_the_session_as_it_was(tiny_model) -> None:
     """`calibrate` times trees after committed tokens too (the catch-up term of the draft cost)
     and rolls them back: the session it was given holds the same context afterwards, and a

@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,11 +119,13 @@ class DraftAhead:
     fed by it); `fixed`: trees of exactly the requested shape (only the predrafts are planned);
     `push`: the service sends predrafts as they are made (`take_fresh`), kept here for it;
     `grammar`: the turn's grammar (`specmesh.grammar.Guide`) every tree's nodes must satisfy. The
-    trees follow it and the request's penalties (`drafters.base.DraftGuide`)."""
+    trees follow it and the request's penalties (`drafters.base.DraftGuide`). `sharing`: how many
+    sessions the process drafts for at once, asked at every plan (`planner.plan`; the drafter
+    service's `SessionStore.busy`)."""
 
     def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
                  push: bool = False, costs: Costs | None = None, recent: Acceptance | None = None,
-                 fixed: bool = False, grammar=None) -> None:
+                 fixed: bool = False, grammar=None, sharing: Callable[[], float] | None = None) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
         self.guide = turn_guide(params, context_len, grammar)
         self.session = session
@@ -130,6 +133,7 @@ class DraftAhead:
         self.pipelined = pipelined
         self.push = push  # the service pushes its predrafts (take_fresh); only kept here
         self.fixed = fixed
+        self.sharing = sharing  # the sessions this drafter serves at once, for `planner.plan` (None: 1)
         self.costs = costs if costs is not None else Costs()
         self.recent = recent
         self.acceptance = recent.scaled(PRIOR_OBSERVATIONS) if recent is not None else Acceptance()
@@ -381,15 +385,25 @@ class DraftAhead:
             fit.add((float(levels), float(rows), float(behind), 1.0), seconds)
 
     def _plan(self, budget: int, depth: int) -> Plan:
-        # after PROBE_EVERY steps without a tree, one speculates anyway: the acceptance that
+        # after a run of plain steps (`_probe_every`), one speculates anyway: the acceptance that
         # speculation is judged by comes only from verified trees
-        probe = self._plain_steps >= PROBE_EVERY or sum(self.acceptance.tried[0]) < MIN_TRIALS
+        sharing = self._sharing()
+        probe = self._plain_steps >= self._probe_every(sharing) or sum(self.acceptance.tried[0]) < MIN_TRIALS
         return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
-                            speculate=probe, plain_run=self._plain_run())
+                            speculate=probe, plain_run=self._plain_run(sharing), sharing=sharing)
 
-    def _plain_run(self) -> int:
+    def _sharing(self) -> float:
+        return max(1.0, float(self.sharing())) if self.sharing is not None else 1.0
+
+    @staticmethod
+    def _probe_every(sharing: float) -> int:
+        """Plain steps between probes: PROBE_EVERY per session the drafter serves at once (a probe's
+        drafting delays every one of them)."""
+        return PROBE_EVERY * int(sharing)
+
+    def _plain_run(self, sharing: float | None = None) -> int:
         """One-row steps a tree left out now stands for: the rest of the run up to the next probe."""
-        return max(1, PROBE_EVERY - self._plain_steps)
+        return max(1, self._probe_every(self._sharing() if sharing is None else sharing) - self._plain_steps)
 
     def _children_on_path(self, k: int) -> list[int]:
         """Tokens of the children the tree last sent has at the k-th node of its main path."""

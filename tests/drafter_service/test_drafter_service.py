@@ -23,7 +23,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from drafter_service.sessions import SessionStore
+from drafter_service.sessions import BUSY_S, SessionStore
 from specmesh.convert import tree_from_pb
 from specmesh.drafters import NgramDrafter
 from specmesh.drafters.predraft import DraftAhead, main_path, pick_predrafted, predraft_shape, useful_depth
@@ -370,6 +370,21 @@ def test_session_store_lru_idle_and_replace() -> None:
     assert d.closed and store.get("d") is e
     store.pop("d")
     assert e.closed and len(store) == 0
+
+
+def test_session_store_counts_the_sessions_served_at_once() -> None:
+    clock = _Clock()
+    store = SessionStore(max_sessions=8, idle_timeout_s=60, clock=clock)
+    assert store.busy() == 1  # none: a session asking counts itself
+    for sid in "abc":
+        store.put(sid, _ahead([1, 2, 3]))
+    assert store.busy() == 3
+    clock.now = BUSY_S + 0.1
+    store.get("a")  # only "a" asked since
+    assert store.busy() == 1
+    store.get("b", touch=False)  # predrafting is not a request
+    assert store.busy() == 1
+    store.close_all()
 
 
 def test_session_store_bounds_the_tokens_held() -> None:
