@@ -206,15 +206,22 @@ def test_a_depth_never_reached_takes_the_sessions_pooled_rate() -> None:
     assert acc.rate(5, 0) < 0.1 < acc.rate(4, 0)
 
 
+def _overlap_costs():
+    """Width cheap, drafting faster than the verification, which measured 10% slower beside a
+    predraft."""
+    costs = _costs(0.01, 0.0005, 0.03, 0.004, link_s=0.002)
+    costs.verify_overlapped = LinearCost((0.033, 0.0044))
+    costs.verify_overlapped.add((1.0, 2.0), 0.0418)
+    costs.verify.add((1.0, 2.0), 0.038)
+    return costs
+
+
 def test_bonus_hits_below_prediction_turn_predrafting_off() -> None:
     # a drafter whose width is cheap, the verification slower than drafting (10% slower beside a
     # predraft, as measured): predrafting pays (by more than OVERLAP_MARGIN) while the bonus
     # candidates hit as their rank rates say, and stops once the session shows that they hit far
     # less often (as a feature drafter's guesses from predicted features do)
-    costs = _costs(0.01, 0.0005, 0.03, 0.004, link_s=0.002)
-    costs.verify_overlapped = LinearCost((0.033, 0.0044))
-    costs.verify_overlapped.add((1.0, 2.0), 0.0418)
-    costs.verify.add((1.0, 2.0), 0.038)
+    costs = _overlap_costs()
     acc = _acceptance(0.8, n=1000.0)
     ahead = plan(costs, acc, 8, 4, pipelined=True, batched=False)
     assert ahead.outcomes
@@ -411,10 +418,7 @@ def test_a_predicted_near_tie_is_not_pipelined(monkeypatch: pytest.MonkeyPatch) 
     # predrafting predicted ~2% faster than drafting in turn (a verification 10% slower beside a
     # predraft, acceptance 0.6): within OVERLAP_MARGIN, so the step is planned sequential; a
     # planner without the margin would have overlapped it
-    costs = _costs(0.01, 0.0005, 0.03, 0.004, link_s=0.002)
-    costs.verify_overlapped = LinearCost((0.033, 0.0044))
-    costs.verify_overlapped.add((1.0, 2.0), 0.0418)
-    costs.verify.add((1.0, 2.0), 0.038)
+    costs = _overlap_costs()
     acc = _acceptance(0.6, n=1000.0)
     chosen = plan(costs, acc, 8, 4, pipelined=True, batched=False)
     sequential = plan(costs, acc, 8, 4, pipelined=False, batched=False)

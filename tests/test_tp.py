@@ -83,6 +83,25 @@ def _prefill_and_tree(model: Transformer | TPModel, capacity: int = 64) -> torch
     return torch.cat(rows)
 
 
+def _in_threads(target, prompts: list[list[int]], stop: StopConditions) -> list[object]:
+    """Greedy generations with the n-gram drafter, one thread per prompt at once: their token ids
+    (or the exception one raised)."""
+    got: list[object] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        try:
+            got[i] = generate(target, prompts[i], GREEDY, stop, NgramDrafter()).token_ids
+        except BaseException as e:  # surfaced by the caller's assert
+            got[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
 def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     assert want.std() > 0.3, "reference logits too flat for the tolerance to mean anything"
@@ -263,20 +282,7 @@ class TestTwoRanks:
         prompts = [PROMPT, [40, 41, 42, 40, 41, 42, 40], [1, 2, 3], [200, 100, 200, 100]]
         stop = StopConditions(max_new_tokens=12)
         want = [generate(one, p, GREEDY, stop, NgramDrafter()).token_ids for p in prompts]
-        got: list[object] = [None] * len(prompts)
-
-        def run(i: int) -> None:
-            try:
-                got[i] = generate(tp, prompts[i], GREEDY, stop, NgramDrafter()).token_ids
-            except BaseException as e:  # surfaced by the assert below
-                got[i] = e
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert got == want
+        assert _in_threads(tp, prompts, stop) == want
         assert tp.healthy
 
     def test_a_batched_forward_gives_each_session_its_own_forward(self, pair):
@@ -328,20 +334,7 @@ class TestTwoRanks:
         stop = StopConditions(max_new_tokens=12)
         want = [generate(tp, p, GREEDY, stop, NgramDrafter()).token_ids for p in prompts]
         bt = BatchingTarget(tp, gather_s=0.05)
-        got: list[object] = [None] * len(prompts)
-
-        def run(i: int) -> None:
-            try:
-                got[i] = generate(bt, prompts[i], GREEDY, stop, NgramDrafter()).token_ids
-            except BaseException as e:  # surfaced by the assert below
-                got[i] = e
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert got == want
+        assert _in_threads(bt, prompts, stop) == want
         assert bt.stats.max_segments >= 2, "concurrent sessions should have shared forwards"
         assert bt.healthy and bt.world_size == 2  # the group's own attributes, through the wrapper
 
