@@ -29,6 +29,7 @@ from transformers import LlamaConfig, Qwen2Config
 from specmesh.drafters import NgramDrafter
 from specmesh.engine import StopConditions, generate, generate_stream
 from specmesh.loader import bundled_target_path, load_model, load_tokenizer, model_from_hf
+from specmesh import kernels
 from specmesh.batching import BatchingTarget
 from specmesh.model import ModelConfig, Segment, Transformer
 from specmesh.runtime import encode_prompt
@@ -285,10 +286,48 @@ class TestTwoRanks:
         assert _in_threads(tp, prompts, stop) == want
         assert tp.healthy
 
-    def test_a_batched_forward_gives_each_session_its_own_forward(self, pair):
+    def test_bad_input_is_refused_and_the_group_stays_usable(self, pair):
+        one, tp = pair
+        cache = tp.new_cache()
+        with pytest.raises(ValueError, match="mask"):
+            tp(torch.tensor([1, 2]), torch.arange(2), cache, 0, torch.ones(2, 3, dtype=torch.bool))
+        with pytest.raises(ValueError, match="not a cache"):
+            tp(torch.tensor([1]), torch.arange(1), one.new_cache(), 0)
+        cache.close()
+        with pytest.raises(ValueError, match="closed"):
+            tp(torch.tensor([1]), torch.arange(1), cache, 0)
+        _assert_close(_prefill_and_tree(tp), _prefill_and_tree(one))
+
+
+@pytest.fixture(scope="class", params=["llama", "qwen2"])
+def invariant_group(request, saved):
+    """A TP=2 group whose every product is the small-M kernel's: the workers started with
+    SPECMESH_KERNELS=1, rank 0's (this process's) timed dispatch table set aside by `_kernel_only`.
+    Batch invariance is the kernel's; a machine whose timed table sends some shape to torch's GEMM
+    has the verifier leave batching off (verifier_service.server.load_target)."""
+    before = os.environ.get("SPECMESH_KERNELS")
+    os.environ["SPECMESH_KERNELS"] = "1"
+    try:
+        tp = start_tp(saved[request.param], 2, timeout_s=30)
+    finally:
+        if before is None:
+            del os.environ["SPECMESH_KERNELS"]
+        else:
+            os.environ["SPECMESH_KERNELS"] = before
+    yield tp
+    tp.shutdown()
+
+
+@pytest.mark.usefixtures("_kernel_only")
+class TestBatchedTwoRanks:
+    @pytest.fixture
+    def _kernel_only(self, monkeypatch):
+        monkeypatch.setattr(kernels._State, "torch_shapes", frozenset())
+
+    def test_a_batched_forward_gives_each_session_its_own_forward(self, invariant_group):
         # three sessions' steps (a tree, a decode, a prefill) as one BATCH op equal, to the bit,
         # each run alone over the same group: how specmesh.batching verifies sessions at TP > 1
-        one, tp = pair
+        tp = invariant_group
         prompts = [PROMPT, [40, 41, 42, 40, 41, 42, 40], [1, 2, 3, 4]]
 
         def steps(cache, prompt, i):  # (tokens, positions, start, mask) of session i's next forward
@@ -326,10 +365,9 @@ class TestTwoRanks:
             c = prefilled()[0]
             tp.forward_batch([Segment(torch.tensor([1]), torch.tensor([16]), c, 16)] * 2)
         assert tp.healthy
-        _assert_close(_prefill_and_tree(tp), _prefill_and_tree(one))
 
-    def test_concurrent_sessions_batched_generate_what_each_does_alone(self, pair):
-        _, tp = pair
+    def test_concurrent_sessions_batched_generate_what_each_does_alone(self, invariant_group):
+        tp = invariant_group
         prompts = [PROMPT, [40, 41, 42, 40, 41, 42, 40], [1, 2, 3], [200, 100, 200, 100]]
         stop = StopConditions(max_new_tokens=12)
         want = [generate(tp, p, GREEDY, stop, NgramDrafter()).token_ids for p in prompts]
@@ -337,18 +375,6 @@ class TestTwoRanks:
         assert _in_threads(bt, prompts, stop) == want
         assert bt.stats.max_segments >= 2, "concurrent sessions should have shared forwards"
         assert bt.healthy and bt.world_size == 2  # the group's own attributes, through the wrapper
-
-    def test_bad_input_is_refused_and_the_group_stays_usable(self, pair):
-        one, tp = pair
-        cache = tp.new_cache()
-        with pytest.raises(ValueError, match="mask"):
-            tp(torch.tensor([1, 2]), torch.arange(2), cache, 0, torch.ones(2, 3, dtype=torch.bool))
-        with pytest.raises(ValueError, match="not a cache"):
-            tp(torch.tensor([1]), torch.arange(1), one.new_cache(), 0)
-        cache.close()
-        with pytest.raises(ValueError, match="closed"):
-            tp(torch.tensor([1]), torch.arange(1), cache, 0)
-        _assert_close(_prefill_and_tree(tp), _prefill_and_tree(one))
 
 
 def test_one_rank_needs_no_group(saved):
