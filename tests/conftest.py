@@ -17,6 +17,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """Every fp32 product in this process on the small-M kernel, whose rows are batch-invariant:
+    models tuned earlier in the process may have sent a weight shape a test shares to torch's GEMM
+    (a machine's timed table; a verifier then leaves batching off, verifier_service.server.load_target)."""
+    from specmesh import kernels
+
+    monkeypatch.setattr(kernels._State, "torch_shapes", frozenset())
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     """A real redis-server on a free port for the test module (specmesh.redis_server, as `specmesh

@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from specmesh import kernels
 from specmesh.batching import BatchingTarget
 from specmesh.engine import StopConditions, generate
 from specmesh.model import ModelConfig, Segment, Transformer, causal_mask
@@ -18,12 +17,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import tree_attention_mask
 
 
-@pytest.fixture(autouse=True)
-def _kernel_only(monkeypatch):
-    """Every product on the small-M kernel, whose rows are batch-invariant: models tuned earlier in
-    this process may have sent a weight shape these tests use to torch's GEMM (a machine's timed
-    table; the verifier then leaves batching off, verifier_service.server.load_target)."""
-    monkeypatch.setattr(kernels._State, "torch_shapes", frozenset())
+pytestmark = pytest.mark.usefixtures("kernel_only")  # the bit-identity of batched rows is the kernel's
 
 
 @pytest.fixture(scope="module")

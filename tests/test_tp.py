@@ -29,7 +29,6 @@ from transformers import LlamaConfig, Qwen2Config
 from specmesh.drafters import NgramDrafter
 from specmesh.engine import StopConditions, generate, generate_stream
 from specmesh.loader import bundled_target_path, load_model, load_tokenizer, model_from_hf
-from specmesh import kernels
 from specmesh.batching import BatchingTarget
 from specmesh.model import ModelConfig, Segment, Transformer
 from specmesh.runtime import encode_prompt
@@ -302,7 +301,7 @@ class TestTwoRanks:
 @pytest.fixture(scope="class", params=["llama", "qwen2"])
 def invariant_group(request, saved):
     """A TP=2 group whose every product is the small-M kernel's: the workers started with
-    SPECMESH_KERNELS=1, rank 0's (this process's) timed dispatch table set aside by `_kernel_only`.
+    SPECMESH_KERNELS=1, rank 0's (this process's) timed dispatch table set aside by `kernel_only`.
     Batch invariance is the kernel's; a machine whose timed table sends some shape to torch's GEMM
     has the verifier leave batching off (verifier_service.server.load_target)."""
     before = os.environ.get("SPECMESH_KERNELS")
@@ -318,19 +317,15 @@ def invariant_group(request, saved):
     tp.shutdown()
 
 
-@pytest.mark.usefixtures("_kernel_only")
+@pytest.mark.usefixtures("kernel_only")
 class TestBatchedTwoRanks:
-    @pytest.fixture
-    def _kernel_only(self, monkeypatch):
-        monkeypatch.setattr(kernels._State, "torch_shapes", frozenset())
-
     def test_a_batched_forward_gives_each_session_its_own_forward(self, invariant_group):
         # three sessions' steps (a tree, a decode, a prefill) as one BATCH op equal, to the bit,
         # each run alone over the same group: how specmesh.batching verifies sessions at TP > 1
         tp = invariant_group
         prompts = [PROMPT, [40, 41, 42, 40, 41, 42, 40], [1, 2, 3, 4]]
 
-        def steps(cache, prompt, i):  # (tokens, positions, start, mask) of session i's next forward
+        def step(cache, prompt, i) -> Segment:  # session i's next forward
             n = len(prompt)
             if i == 0:  # a tree after the pending token
                 start = n - 1
@@ -338,10 +333,10 @@ class TestBatchedTwoRanks:
                 mask[0, start + 1:] = False
                 mask[1:, start + 1:] = tree_attention_mask(PARENTS)
                 pos = torch.tensor([0] + depths(PARENTS)) + start
-                return torch.tensor([prompt[-1], 7, 8, 9, 10, 11, 12]), pos, start, mask
+                return Segment(torch.tensor([prompt[-1], 7, 8, 9, 10, 11, 12]), pos, cache, start, mask)
             if i == 1:  # one-token decode
-                return torch.tensor([prompt[-1]]), torch.tensor([n - 1]), n - 1, None
-            return torch.tensor([5, 6]), torch.tensor([n - 1, n]), n - 1, None  # two rows, causal
+                return Segment(torch.tensor([prompt[-1]]), torch.tensor([n - 1]), cache, n - 1)
+            return Segment(torch.tensor([5, 6]), torch.tensor([n - 1, n]), cache, n - 1)  # two rows, causal
 
         def prefilled():
             caches = []
@@ -352,10 +347,9 @@ class TestBatchedTwoRanks:
                 caches.append(c)
             return caches
 
-        alone = [tp(*steps(c, p, i)[:2], c, steps(c, p, i)[2], steps(c, p, i)[3])
-                 for i, (c, p) in enumerate(zip(prefilled(), prompts))]
-        batch = [Segment(*steps(c, p, i)[:2], c, steps(c, p, i)[2], steps(c, p, i)[3])
-                 for i, (c, p) in enumerate(zip(prefilled(), prompts))]
+        alone = [tp(s.tokens, s.positions, s.cache, s.start, s.mask)
+                 for s in (step(c, p, i) for i, (c, p) in enumerate(zip(prefilled(), prompts)))]
+        batch = [step(c, p, i) for i, (c, p) in enumerate(zip(prefilled(), prompts))]
         together = tp.forward_batch(batch)
         assert all(torch.equal(a, t) for a, t in zip(alone, together))
         with pytest.raises(ValueError, match="mask"):  # bad input: refused before any rank runs it
