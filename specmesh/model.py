@@ -117,7 +117,7 @@ class Segment:
     want_hidden: bool = False  # fill `hidden` with the final hidden states (before the norm), [T, hidden]
     hidden: torch.Tensor | None = None
     exact: bool = True  # rows bitwise as if decoded alone (`_attention_by_row`); drafters need not
-    row_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # exact rows: `_row_slots`, once per forward
+    row_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # rows attended alone: `_row_slots`, once per forward
 
 
 class Linear(nn.Linear):
@@ -191,6 +191,14 @@ def _attention_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
+def _row_kernel_takes(cache: KVCache) -> bool:
+    """Whether `specmesh.kernels.attention` runs on this cache's tensors. Inexact segments (drafters)
+    then attend row by row as well: on a CPU the kernel is faster than batched SDPA at every width
+    up to ROW_ATTENTION_MAX (a model drafter's level, one row to a predraft's 64)."""
+    k = cache.k
+    return k.dtype == torch.float32 and k.device.type == "cpu" and k.shape[-1] % 32 == 0 and attention.available()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -231,7 +239,7 @@ class Attention(nn.Module):
             if not written:
                 s.cache.write(layer, s.start, k[:, row:row + n], v[:, row:row + n])
             keys, values = s.cache.view(layer, s.start + n)  # [H_kv, S, D] each
-            if s.exact and n <= ROW_ATTENTION_MAX:
+            if s.row_keys is not None:
                 outs.append(_attention_by_row(q[:, row:row + n], keys, values, s.row_keys))
             else:
                 outs.append(F.scaled_dot_product_attention(
@@ -319,7 +327,8 @@ class Transformer(nn.Module):
         """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]; with
         `hidden`, (logits, final hidden states [T, hidden] before the norm: the target features a
         feature drafter takes). `features`: a feature drafter's per-row input. `exact=False`
-        (drafters): batched attention, rows equal to one-token decoding only up to rounding."""
+        (drafters): rows need equal one-token decoding only up to rounding, so where the row
+        kernel does not run (`_row_kernel_takes`) they take batched SDPA."""
         seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden, exact=exact)
         logits = self.forward_batch([seg])[0]
         return (logits, seg.hidden) if hidden else logits
@@ -338,7 +347,7 @@ class Transformer(nn.Module):
             s.cache.ensure_capacity(s.start + t)
             if s.mask is None and t > 1:
                 s.mask = causal_mask(s.start, t, s.tokens.device)
-            if s.exact and t <= ROW_ATTENTION_MAX:  # the same for every layer
+            if t <= ROW_ATTENTION_MAX and (s.exact or _row_kernel_takes(s.cache)):  # the same for every layer
                 s.row_keys = _row_slots(s.mask, s.start, s.tokens.device)
         tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])

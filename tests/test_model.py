@@ -238,6 +238,36 @@ def test_tree_rows_equal_sequential_decoding(family, tree_name):
     _assert_rows_match_paths(model, prompt, TREES[tree_name], logits)
 
 
+def test_inexact_rows_attend_row_by_row_where_the_kernel_runs():
+    """A drafter's forward (`exact=False`, a tree mask over scratch slots) takes the row kernel on a
+    CPU in fp32, faster there than batched SDPA: its rows then equal the exact forward's to the
+    bit. Where the kernel cannot run (head dim 16 here), batched SDPA agrees up to rounding."""
+    from specmesh.kernels import attention
+    from specmesh.model import causal_mask
+
+    for heads, kernel in ((2, attention.available()), (4, False)):  # head dim 32, then 16
+        hf = random_hf_model(LlamaConfig(**{**_SMALL, "num_attention_heads": heads, "num_key_value_heads": 1}), 0)
+        model = model_from_hf(hf.config, hf.state_dict())
+        prompt = _random_ids(12, seed=5)
+        tree = TREES["tree"]
+        node_depth = depths(tree.parents)
+        mask = torch.zeros(len(tree), 12 + len(tree), dtype=torch.bool)
+        mask[:, :12] = True
+        for i in range(len(tree)):
+            mask[i, [12 + j for j in path_to(tree.parents, i)]] = True
+        out = {}
+        for exact in (True, False):
+            cache = model.new_cache()
+            model(prompt, torch.arange(12), cache, 0, causal_mask(0, 12), logits_rows=None)
+            cache.commit(list(range(12)))
+            out[exact] = model(torch.tensor(tree.tokens), torch.tensor([11 + d for d in node_depth]), cache, 12, mask,
+                               exact=exact)
+        if kernel:
+            assert torch.equal(out[False], out[True])
+        else:
+            _assert_close(out[False], out[True])
+
+
 def _steered_tree(greedy: list[int], accept: int) -> DraftTree:
     """TREE_PARENTS with tokens chosen so greedy verification accepts ACCEPT_PATH[:accept]:
     the path's nodes carry the target's greedy tokens up to `accept`, then a wrong one; every
