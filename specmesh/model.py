@@ -127,9 +127,8 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
-def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
-    """Each of `layers` applied to x, consecutive layers that `quant.fuse_qdot` can join run as one
-    product (q/k/v, gate/up: decode steps pay per product, not only per weight byte). The plan is
+def _fusion_plan(owner: nn.Module, layers: tuple[nn.Module, ...]) -> list[tuple[nn.Module | None, list[nn.Module]]]:
+    """`layers` in runs that `quant.fuse_qdot` joins: (the fused layer or None, the run). The plan is
     made at the first call and again whenever `owner`'s layers were replaced (a loader requantizing
     them); it is kept out of the module tree, so state dicts and module walks see only `layers`."""
     plan = owner.__dict__.get("_fused")
@@ -145,8 +144,14 @@ def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tens
                 runs.append([m])
         plan = (layers, [(fuse_qdot(r) if len(r) > 1 else None, r) for r in runs])
         owner.__dict__["_fused"] = plan
+    return plan[1]
+
+
+def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `layers` applied to x, consecutive layers that `quant.fuse_qdot` can join run as one
+    product (q/k/v, gate/up: decode steps pay per product, not only per weight byte)."""
     outs: list[torch.Tensor] = []
-    for fused, run in plan[1]:
+    for fused, run in _fusion_plan(owner, layers):
         if fused is None:
             outs.append(run[0](x))
         else:
@@ -358,18 +363,22 @@ class Transformer(nn.Module):
                 raise ValueError("features: a feature drafter needs one target feature per token")
             feats = torch.cat([s.features for s in segments]) if len(segments) > 1 else segments[0].features
             h = self.fc(torch.cat([feats.to(h.device, h.dtype), h], dim=-1))  # [T, hidden]
-        reduce = self.tp_all_reduce
-        layers = self.model.layers
-        x = layers[0].input_layernorm(h)
-        for i, layer in enumerate(layers):  # each residual add runs with the norm after it
-            a = layer.self_attn(x, cos, sin, segments, i)
-            h, x = layer.post_attention_layernorm.after_add(h, reduce(a) if reduce else a)
-            m = layer.mlp(x)
-            m = reduce(m) if reduce else m
-            if i + 1 < len(layers):
-                h, x = layers[i + 1].input_layernorm.after_add(h, m)
-            else:
-                h = h + m
+        lean = self._lean_plan() if len(segments) == 1 else None
+        if lean is not None and _lean_takes(segments[0], h, cos):
+            h = _lean_layers(lean, segments[0], h, cos, sin)
+        else:
+            reduce = self.tp_all_reduce
+            layers = self.model.layers
+            x = layers[0].input_layernorm(h)
+            for i, layer in enumerate(layers):  # each residual add runs with the norm after it
+                a = layer.self_attn(x, cos, sin, segments, i)
+                h, x = layer.post_attention_layernorm.after_add(h, reduce(a) if reduce else a)
+                m = layer.mlp(x)
+                m = reduce(m) if reduce else m
+                if i + 1 < len(layers):
+                    h, x = layers[i + 1].input_layernorm.after_add(h, m)
+                else:
+                    h = h + m
         picked, row = [], 0  # the rows each segment wants logits for; one lm_head product for all
         for s in segments:
             n = s.tokens.shape[0]
@@ -383,6 +392,20 @@ class Transformer(nn.Module):
         logits = iter(self._logits(torch.cat(wanted)).split([p.shape[0] for p in wanted]))
         return [None if p is None else next(logits) for p in picked]
 
+    def _lean_plan(self) -> list["_LeanLayer"] | None:
+        """This model's `_LeanLayer`s, made at the first call and again once a layer's modules were
+        replaced; None where a layer is not all on the integer kernel and the glue kernels (or under
+        TP, or a feature drafter's input)."""
+        cached = self.__dict__.get("_lean")
+        if cached is not None and all(tuple(d.values()) == snap for d, snap in cached[0]):
+            return cached[1]
+        layers = self.model.layers
+        watched = [layers._modules] + [d for layer in layers for d in
+                                       (layer._modules, layer.self_attn._modules, layer.mlp._modules)]
+        plan = _lean_layers_of(self) if self.tp_all_reduce is None and self.fc is None else None
+        self.__dict__["_lean"] = ([(d, tuple(d.values())) for d in watched], plan)
+        return plan
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model.norm(h)).float()
         if self.vocab_map is None:
@@ -390,6 +413,118 @@ class Transformer(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self.vocab_map] = logits
         return full  # [R, vocab]
+
+
+# --- the lean step ---------------------------------------------------------------------------------
+# A decode step or tree on the CPU is a few hundred small kernel calls; the Python around each
+# (module calls, the checks of which path runs, fusion plans) cost about 150 us a layer, a tenth of
+# a 1.5B target's step and a quarter of a 0.5B drafter's. Where every product of every layer runs
+# on the integer kernel (`specmesh.kernels.qdot`, a GGUF served as it ships) and the glue and row
+# attention kernels run, one segment's forward calls those same ops, in the same order with the
+# same inputs, from a plan made once: bit-identical to the module path, which stays the reference
+# (and what runs anywhere else).
+
+
+@dataclass(frozen=True)
+class _LeanLayer:
+    qkv: list[tuple[nn.Module, list[int] | None]]  # products (a QuantLinear) and the outputs each splits into
+    o: nn.Module
+    gate_up: list[tuple[nn.Module, list[int] | None]]
+    down: nn.Module
+    input_norm: RMSNorm
+    post_norm: RMSNorm
+    head_dim: int
+
+
+def _lean_products(owner: nn.Module, layers: tuple[nn.Module, ...]) -> list[tuple[nn.Module, list[int] | None]] | None:
+    out = []
+    for fused, run in _fusion_plan(owner, layers):
+        m = fused if fused is not None else run[0]
+        if not _on_qdot(m):
+            return None
+        out.append((m, None if fused is None else [r.out_features for r in run]))
+    return out
+
+
+def _on_qdot(m: nn.Module) -> bool:
+    from specmesh.quant import QuantLinear
+
+    return isinstance(m, QuantLinear) and m.fmt == "gguf" and m.kernel == "specmesh-qdot"
+
+
+def _lean_layers_of(model: "Transformer") -> list[_LeanLayer] | None:
+    if not (glue.available() and attention.available()):
+        return None
+    cfg, plan = model.config, []
+    if cfg.head_dim % 32 or cfg.hidden_size % 8:
+        return None
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _lean_products(attn, (attn.q_proj, attn.k_proj, attn.v_proj))
+        gate_up = _lean_products(mlp, (mlp.gate_proj, mlp.up_proj))
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (qkv is None or gate_up is None or not _on_qdot(attn.o_proj) or not _on_qdot(mlp.down_proj)
+                or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)):
+            return None
+        plan.append(_LeanLayer(qkv, attn.o_proj, gate_up, mlp.down_proj, *norms, attn.head_dim))
+    return plan
+
+
+def _lean_takes(s: Segment, h: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether this forward's one segment runs the lean step: rows attended one by one on the row
+    kernel, fp32 activations and cache on the CPU, no gradient."""
+    return (s.row_keys is not None and _row_kernel_takes(s.cache) and h.dtype == cos.dtype == torch.float32
+            and h.device.type == "cpu" and not torch.is_grad_enabled())
+
+
+def _lean_layers(plan: list[_LeanLayer], s: Segment, h: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """The decoder layers of `Transformer.forward_batch` for one segment: h [T, hidden] after the
+    last layer (before the final norm)."""
+    from specmesh.kernels import qdot
+
+    th = kernels.pool_threads()
+    t = h.shape[0]
+    ops: dict[int, object] = {}
+
+    def product(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        op = ops.get(m.bits)
+        if op is None:
+            op = ops[m.bits] = qdot.op_for(t, m.bits, th)
+        b = m._buffers
+        y = op(x, b["qd_codes"], b["qd_sb"], b["qd_sc"], m.out_features, m.bits, m.supergroups, th)
+        return y if b["bias"] is None else y + b["bias"]
+
+    def side_by_side(products, x: torch.Tensor) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        for m, splits in products:
+            y = product(m, x)
+            if splits is None:
+                outs.append(y)
+            else:
+                outs.extend(y.split(splits, -1))
+        return outs
+
+    g = torch.ops.specmesh_glue
+    offsets, slots = s.row_keys
+    end = s.start + t
+    x = g.rms_norm(h, plan[0].input_norm._parameters["weight"], plan[0].input_norm.eps, th)
+    for i, L in enumerate(plan):
+        q, k, v = side_by_side(L.qkv, x)
+        kc, vc = s.cache.layer(i)
+        q = g.rope_into(q, k, v, cos, sin, L.head_dim, kc, vc, s.start, th)  # [H, T, D]
+        a = attention.row_attention(q, kc[:, :end], vc[:, :end], offsets, slots)  # [H, T, D]
+        post = L.post_norm
+        h, x = g.add_rms_norm(h, product(L.o, a.transpose(0, 1).reshape(t, -1)), post._parameters["weight"],
+                              post.eps, th)
+        gate, up = side_by_side(L.gate_up, x)
+        m = product(L.down, g.silu_mul(gate, up, th))
+        if i + 1 < len(plan):
+            nxt = plan[i + 1].input_norm
+            h, x = g.add_rms_norm(h, m, nxt._parameters["weight"], nxt.eps, th)
+        else:
+            h = h + m
+    return h
 
 
 def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:

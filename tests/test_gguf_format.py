@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 
 from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
-from specmesh.kernels import ggml, qdot
+from specmesh.kernels import attention, ggml, qdot
 from specmesh.loader import model_from_hf
 from specmesh.quant import QuantLinear, SuperCodes, WeightFormat, fuse_qdot, gguf_int4_codes, gguf_q6k_codes
 from specmesh.sampling import SamplingParams
@@ -178,10 +178,11 @@ def test_fused_products_are_bit_identical_and_hold_the_weights_once():
     assert fuse_qdot([layer(64, False), q8]) is None  # another layout
 
 
-def _tiny_gguf_target(seed: int = 5):
+def _tiny_gguf_target(seed: int = 5, heads: int = 4):
     """A tiny random Llama with every Linear in `gguf` blocks (Q4_0, the head Q8_0)."""
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=1)
+                      num_attention_heads=heads, num_key_value_heads=heads // 2, tie_word_embeddings=False,
+                      eos_token_id=1)
     model = model_from_hf(cfg, random_hf_model(cfg, seed=seed).state_dict())
     info = WeightFormat("gguf")
     for name, m in list(model.named_modules()):
@@ -193,6 +194,54 @@ def _tiny_gguf_target(seed: int = 5):
             info.ship(layer.kernel, qtype.name)
     model.weight_format = info
     return model
+
+
+def _forwards(model) -> list[torch.Tensor]:
+    """Logits of a prefill (causal, 12 rows), a decode step and a 9-node tree over a fresh cache."""
+    from specmesh.model import causal_mask
+
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 128, (12,), generator=g)
+    cache = model.new_cache()
+    out = [model(prompt, torch.arange(12), cache, 0, causal_mask(0, 12))]
+    cache.commit(list(range(12)))
+    out.append(model(torch.tensor([7]), torch.tensor([12]), cache, 12))
+    cache.commit([12])
+    parents = [-1, -1, 0, 0, 1, 2, 2, 4, 5]
+    mask = torch.zeros(9, 13 + 9, dtype=torch.bool)
+    mask[:, :13] = True
+    depth = []
+    for i, p in enumerate(parents):
+        mask[i, 13 + i] = True
+        mask[i] |= mask[p] if p >= 0 else False
+        depth.append(1 if p < 0 else depth[p] + 1)
+    tokens = torch.randint(0, 128, (9,), generator=g)
+    out.append(model(tokens, torch.tensor([12 + d for d in depth]), cache, 13, mask))
+    return out
+
+
+@pytest.mark.skipif(not attention.available(), reason=f"row kernel unavailable: {attention.reason()}")
+def test_the_lean_step_equals_the_module_path_to_the_bit(monkeypatch):
+    """Every product on the integer kernel: a forward calls the same ops from a plan made once
+    (`specmesh.model._lean_layers`), with the same results as the module path, to the bit; a
+    replaced layer makes a new plan (here none: an fp32 layer is not on the kernel)."""
+    import specmesh.model as model_mod
+
+    model = _tiny_gguf_target(heads=2)  # head dim 32: the row kernel takes it
+    assert model._lean_plan() is not None
+    calls = []
+    lean = model_mod._lean_layers
+    monkeypatch.setattr(model_mod, "_lean_layers", lambda *a: calls.append(1) or lean(*a))
+    got = _forwards(model)
+    assert len(calls) == 3
+    monkeypatch.setattr(model_mod.Transformer, "_lean_plan", lambda self: None)
+    want = _forwards(model)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    attn = model.model.layers[1].self_attn
+    attn.o_proj = torch.nn.Linear(64, 64, bias=False)
+    assert model._lean_plan() is None
 
 
 def test_greedy_speculation_equals_plain_decoding_in_gguf():

@@ -377,11 +377,16 @@ def linear(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, sc: torch.Ten
     """y [M, N] = x [M, K] fp32 @ W.T, W as `pack` / `pack_super` left it (a `Packed`'s fields);
     call only when `available()`."""
     threads = _k.pool_threads()
+    return op_for(x.shape[0], bits, threads)(x, codes, sb, sc, n, bits, s, threads)
+
+
+def op_for(m: int, bits: int, threads: int):
+    """The op `linear` runs for `m` rows of `bits` codes at `threads` kernel threads (`choice()`'s
+    pick); call only when `available()`."""
     chosen = _State.choices.get(threads)
     if chosen is None:
         if _State.op is None:
             load()
         chosen = choice()
     ops = chosen["by_bits"][bits]
-    m = x.shape[0]
-    return ops[m if m < len(ops) else -1](x, codes, sb, sc, n, bits, s, threads)
+    return ops[m if m < len(ops) else -1]
