@@ -453,6 +453,7 @@ class Plan:
     step_s: float = 0.0
     hit: float = 0.0
     feed: bool = False  # no speculation: the drafter feeds the committed tokens beside the verifier's steps
+    run: int = 0  # no speculation: the one-row steps the plan priced (`plan`'s plain_run)
     informed: bool = True  # planned with verifications measured (`Costs.verify_known`), not from the priors
 
     @property
@@ -515,9 +516,10 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
         # the drafter feeds each committed token once anyway: later, before the next tree, or
         # (pipelined) beside the verifier's steps, at the measured price of overlapping
         step = costs.verify_s(1, False) + costs.link_s / max(1, plain_run)
-        best = Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0))
+        run = max(1, plain_run)
+        best = Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0), run=run)
         if pipelined:
-            ahead = Plan(0, 0, (), 0, 1.0, step * overlap, feed=True)
+            ahead = Plan(0, 0, (), 0, 1.0, step * overlap, feed=True, run=run)
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)

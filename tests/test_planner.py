@@ -408,10 +408,12 @@ def test_one_predraft_is_priced_as_the_single_tree_call_it_is() -> None:
 
 def test_a_plain_run_pays_the_link_once() -> None:
     """A link that costs as much as a verification row: one plain step at a time pays it every
-    token and loses to a one-node tree; a run of 16 pays it once and wins."""
+    token and loses to a one-node tree; a run of 16 pays it once and wins, and the plan names the
+    run it priced (the drafter asks the verifier for exactly that run)."""
     costs, acc = _costs(0.004, 0.001, 0.02, 0.002, link_s=0.01, fed_s=0.0001), _acceptance(0.45)
     assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=1).budget >= 1
-    assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16).budget == 0
+    plain = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16)
+    assert plain.budget == 0 and plain.run == 16
 
 
 def test_a_predicted_near_tie_is_not_pipelined(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -419,7 +419,7 @@ class DraftAhead:
         tokens in one call later."""
         p = (self.plan if self._caps == (budget, depth) else None) or self._plan(budget, depth)
         if p.budget == 0:
-            return self._send(DraftTree.empty(), budget, depth, False, p, self._plain_run())
+            return self._send(DraftTree.empty(), budget, depth, False, p, p.run or self._plain_run())
         behind = self._behind()
         t = time.perf_counter()
         tree = self.session.draft(p.budget, p.depth, self.params, self.generator, **guided(self.guide))
