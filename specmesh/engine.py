@@ -20,6 +20,7 @@ The engine works on token ids only; text (stop strings) goes through an optional
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -335,21 +336,50 @@ class LocalPlanning:
 _planning: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> [LocalPlanning]
 
 
+COST_CACHE_ENV = "SPECMESH_COST_CACHE"  # "0": measure a pair's costs in every process, never read them back
+
+
 def planning_for(model: Transformer, drafter: Drafter) -> LocalPlanning:
-    """The pair's `LocalPlanning`, measured now the first time (a few seconds for a 1.5B target on
-    a CPU; once per process and pair)."""
-    from specmesh.drafters.predraft import calibrated_costs
+    """The pair's `LocalPlanning`: its costs measured the first time in a process (`pair_costs`),
+    then kept for the process's later generations."""
+    from specmesh.drafters.predraft import fit_calibration
 
     entries = _planning.setdefault(model, [])
     entries[:] = [e for e in entries if e.drafter() is not None]
     for e in entries:
         if e.drafter() is drafter:
             return e
-    costs = calibrated_costs(drafter, model.config.vocab_size)
+    measured = pair_costs(model, drafter)
+    costs = Costs()
+    fit_calibration(costs, measured)
     costs.link_s = 0.0  # no link in process (what a step's window holds beyond the forward is measured)
-    e = LocalPlanning(costs, Acceptance(), StepTable(measure_steps(model)), weakref.ref(drafter))
+    e = LocalPlanning(costs, Acceptance(), StepTable(measured["steps"]), weakref.ref(drafter))
     entries.append(e)
     return e
+
+
+def pair_costs(model: Transformer, drafter: Drafter) -> dict:
+    """A pair's costs as the planner takes them: the target's step by rows (`measure_steps`) and the
+    drafter's timed calls (`drafter_samples`), a few seconds for a 1.5B target on a CPU. Costs follow
+    from layouts, not weight values, so where the drafter holds a model they are kept on disk
+    (`$SPECMESH_CACHE/costs`) keyed by both models' layouts and this process's machine, threads and
+    kernel choices (`kernels.machine_key`), and a later process with the same key reads them back
+    instead of measuring (live steps then correct them as they always do). `SPECMESH_COST_CACHE=0`
+    measures every time; drafters without a model (n-gram, oracle) are always measured."""
+    from specmesh import kernels
+    from specmesh.drafters.predraft import drafter_samples
+    from specmesh.kernels.dispatch import cached_json
+    from specmesh.paths import cache_root
+
+    def measure() -> dict:
+        return {"steps": measure_steps(model), **drafter_samples(drafter, model.config.vocab_size)}
+
+    held = getattr(drafter, "model", None)
+    if not isinstance(held, torch.nn.Module) or os.environ.get(COST_CACHE_ENV, "1") == "0":
+        return measure()
+    key = {"what": "pair costs", "machine": kernels.machine_key(), "target": kernels.layout_key(model),
+           "drafter": [type(drafter).__name__, kernels.layout_key(held)], "rows": list(STEP_ROWS)}
+    return cached_json(cache_root() / "costs", "pair", key, measure)[0]
 
 
 def run_turn(

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from specmesh.redis_server import RedisServer, redis_server_binary
+
+# Tests measure a pair's costs where they plan (specmesh.engine.pair_costs): what an earlier run left
+# under $SPECMESH_CACHE must not decide a test's plans (the cache's own test turns it on).
+os.environ.setdefault("SPECMESH_COST_CACHE", "0")
 
 
 @pytest.fixture

@@ -273,6 +273,40 @@ def test_measure_steps_times_each_row_count() -> None:
     assert all(0 < s < 5 for _, s in points)
 
 
+def test_a_pairs_costs_are_measured_once_per_machine(tmp_path, monkeypatch) -> None:
+    """`pair_costs` keeps a model pair's measured costs on disk: a later process (here: a new
+    model object of the same layout) reads them back instead of measuring; another layout, an
+    n-gram drafter or SPECMESH_COST_CACHE=0 measures."""
+    import specmesh.engine as engine
+    from specmesh.model import ModelConfig, Transformer
+
+    def tiny(hidden: int) -> Transformer:
+        cfg = ModelConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                          attention_bias=False, max_position_embeddings=256)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+        return Transformer(cfg, inv_freq).eval()
+
+    measured = []
+    steps = engine.measure_steps
+    monkeypatch.setattr(engine, "measure_steps", lambda m: measured.append(m) or steps(m, rounds=1))
+    monkeypatch.setenv("SPECMESH_CACHE", str(tmp_path))
+    monkeypatch.setenv(engine.COST_CACHE_ENV, "1")
+    first = engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
+    assert len(measured) == 1 and [r for r, _ in first["steps"]] == list(engine.STEP_ROWS)
+    assert first["draft"] and first["draft_many"]
+    again = engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
+    assert len(measured) == 1 and again == json.loads(json.dumps(first))  # read back, as JSON holds it
+    planning = engine.planning_for(tiny(32), ModelDrafter(tiny(32)))
+    assert len(measured) == 1 and planning.costs.draft.calibrated and planning.steps.start
+    engine.pair_costs(tiny(32), ModelDrafter(tiny(64)))  # another drafter layout
+    engine.pair_costs(tiny(32), NgramDrafter())  # no model: its costs are not kept
+    monkeypatch.setenv(engine.COST_CACHE_ENV, "0")
+    engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
+    assert len(measured) == 4
+    assert [p.name.split("-")[0] for p in (tmp_path / "costs").glob("*.json")] == ["pair", "pair"]
+
+
 def test_rollback_to_a_prefix_continues_as_a_session_started_there() -> None:
     """`TargetSession.rollback` (the verifier keeps a shared prefix's KV for a regenerated answer or
     the next of n samples): extending the rolled-back session gives the logits, next tokens and

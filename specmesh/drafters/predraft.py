@@ -63,7 +63,7 @@ from specmesh.tree import ROOT, DraftTree, children_of, main_path, subtree, trim
 
 __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "SessionClosedError", "main_path",
            "subtree", "trim", "trim_nodes", "predraft_shape", "pick_predrafted", "useful_depth", "next_tree_from",
-           "draft_generator", "calibrate", "calibrated_costs"]
+           "draft_generator", "calibrate", "calibrated_costs", "drafter_samples", "fit_calibration"]
 # What the drafter's recent sessions weigh in a new session's acceptance: a few of the session's own
 # steps outweigh it, since acceptance differs between prompts (code, prose) far more than within one.
 PRIOR_OBSERVATIONS = 8.0
@@ -472,14 +472,21 @@ CALIBRATION_FED = (2, PROBE_EVERY)  # committed tokens fed before a tree, up to 
 
 def calibrate(session: DraftSession, context: list[int], costs: Costs, rounds: int = 2,
               feature_dim: int = 0) -> None:
-    """Measure a drafter's cost by levels, rows and fed tokens before the first request: chains
-    and wide trees, and trees after committed tokens the session never drafted (as after a run of
-    plain steps: it must feed them all first), and where the session has `draft_many`, trees at 2
-    and 4 roots at once; each shape `rounds` times after one untimed call. Takes the shapes of
-    `costs.draft` / `costs.draft_many` from them (`LinearCost.fit_shape`: live calls then only
-    rescale them). `session`: opened on `context` (>= 2 tokens the drafter accepts); the caller
-    closes it. `feature_dim`: a feature drafter's, whose commits take the target's features
-    (zeros here: what a call costs does not depend on their values)."""
+    """Measure a drafter's cost by levels, rows and fed tokens before the first request
+    (`calibration_samples`) and take the shapes of `costs.draft` / `costs.draft_many` from them
+    (`fit_calibration`: live calls then only rescale them)."""
+    fit_calibration(costs, calibration_samples(session, context, rounds, feature_dim))
+
+
+def calibration_samples(session: DraftSession, context: list[int], rounds: int = 2,
+                        feature_dim: int = 0) -> dict[str, list]:
+    """A drafter's calls timed before the first request: chains and wide trees, and trees after
+    committed tokens the session never drafted (as after a run of plain steps: it must feed them
+    all first), and where the session has `draft_many`, trees at 2 and 4 roots at once; each shape
+    `rounds` times after one untimed call. {"draft": [(features, seconds)], "draft_many": [...]}
+    (features as `Costs.draft` takes them). `session`: opened on `context` (>= 2 tokens the
+    drafter accepts); the caller closes it. `feature_dim`: a feature drafter's, whose commits take
+    the target's features (zeros here: what a call costs does not depend on their values)."""
     params = SamplingParams()
     gen = draft_generator(params)
     session.draft(4, 2, params, gen)  # first calls allocate and page weights in
@@ -500,26 +507,40 @@ def calibrate(session: DraftSession, context: list[int], costs: Costs, rounds: i
 
     samples = [timed(0, lambda b=b, d=d: [session.draft(b, d, params, gen)]) for b, d in CALIBRATION_SHAPES * rounds]
     samples += [timed(fed, lambda: [session.draft(2, 2, params, gen)]) for fed in CALIBRATION_FED * rounds]
-    costs.draft.fit_shape(samples)
+    out = {"draft": samples, "draft_many": []}
     if hasattr(session, "draft_many"):
         def many(roots: int, budget: int, depth: int):
             ends = [n - 1, n] * (roots // 2)
             return lambda: session.draft_many(ends, budget, depth, params, gen, [()] * len(ends))
 
         shapes = [(0, 2, 4, 2), (0, 2, 8, 4), (0, 4, 4, 2), (0, 4, 8, 3), (8, 2, 4, 2), (8, 4, 8, 3)]
-        costs.draft_many.fit_shape([timed(fed, many(*shape)) for fed, *shape in shapes * rounds])
+        out["draft_many"] = [timed(fed, many(*shape)) for fed, *shape in shapes * rounds]
+    return out
 
 
-def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
-    """The drafter's costs by levels and rows, measured now on a short context (`calibrate`), so
-    that the first sessions' plans already price width (a feature drafter on zero features: what
-    a call costs does not depend on their values)."""
-    costs = Costs()
+def fit_calibration(costs: Costs, samples: dict[str, list]) -> None:
+    """Take `costs.draft` / `costs.draft_many`'s shapes from `calibration_samples`' (or the same
+    read back from JSON)."""
+    costs.draft.fit_shape([(tuple(f), float(y)) for f, y in samples["draft"]])
+    if samples["draft_many"]:
+        costs.draft_many.fit_shape([(tuple(f), float(y)) for f, y in samples["draft_many"]])
+
+
+def drafter_samples(drafter: Drafter, vocab_size: int | None) -> dict[str, list]:
+    """`calibration_samples` of a session opened now on a short context (a feature drafter on
+    zero features: what a call costs does not depend on their values)."""
     context = list(range(1, 1 + min(16, vocab_size or 16)))
     dim = drafter.feature_dim if drafter.needs_features else 0
     session = drafter.open(context, torch.zeros(len(context) - 1, dim) if dim else None)
     try:
-        calibrate(session, context, costs, feature_dim=dim)
+        return calibration_samples(session, context, feature_dim=dim)
     finally:
         session.close()
+
+
+def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
+    """The drafter's costs by levels and rows, measured now (`drafter_samples`), so that the first
+    sessions' plans already price width."""
+    costs = Costs()
+    fit_calibration(costs, drafter_samples(drafter, vocab_size))
     return costs

@@ -76,6 +76,30 @@ def describe_threads() -> str:
     return f"{pool}" + (f" (kernels {pool}, torch ops {ops})" if ops != pool else "")
 
 
+def machine_key() -> dict:
+    """What, besides a model's own layout (`layout_key`), decides what its forward costs in this
+    process: the CPU, the thread split, torch, and the kernel choices timed here (the fp32
+    dispatch table, the integer kernel's variants)."""
+    from specmesh.kernels import qdot
+
+    return {"cpu": _dispatch.cpu_model(), "flags": _dispatch.cpu_flags(), "threads": describe_threads(),
+            "torch": torch.__version__, "fp32": [str(_State.table), sorted(map(list, _State.torch_shapes))],
+            "qdot": qdot.choice()["table"]["choice"] if qdot.available() else None}
+
+
+def layout_key(module: nn.Module) -> str:
+    """A hash of what a module's forward costs follow from, its values aside: every submodule's
+    class, every parameter's and buffer's name, shape, dtype and device, and the weight format."""
+    import hashlib
+
+    h = hashlib.sha256(str(getattr(module, "weight_format", None) and module.weight_format.describe()).encode())
+    for name, m in module.named_modules():
+        h.update(f"{name}:{type(m).__name__};".encode())
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type};".encode())
+    return h.hexdigest()[:32]
+
+
 class _State:
     """Process-wide, like torch's own backend settings: one dispatch table per process."""
     op = None  # torch.ops.specmesh.small_linear once loaded
