@@ -363,7 +363,7 @@ class Transformer(nn.Module):
                 raise ValueError("features: a feature drafter needs one target feature per token")
             feats = torch.cat([s.features for s in segments]) if len(segments) > 1 else segments[0].features
             h = self.fc(torch.cat([feats.to(h.device, h.dtype), h], dim=-1))  # [T, hidden]
-        lean = self._lean_plan() if len(segments) == 1 else None
+        lean = self._lean_plan() if len(segments) == 1 and self.tp_all_reduce is None else None
         if lean is not None and _lean_takes(segments[0], h, cos):
             h = _lean_layers(lean, segments[0], h, cos, sin)
         else:
@@ -394,15 +394,15 @@ class Transformer(nn.Module):
 
     def _lean_plan(self) -> list["_LeanLayer"] | None:
         """This model's `_LeanLayer`s, made at the first call and again once a layer's modules were
-        replaced; None where a layer is not all on the integer kernel and the glue kernels (or under
-        TP, or a feature drafter's input)."""
+        replaced; None where a layer is not all on the integer kernel and the glue kernels
+        (`forward_batch` also leaves TP groups to the module path)."""
         cached = self.__dict__.get("_lean")
         if cached is not None and all(tuple(d.values()) == snap for d, snap in cached[0]):
             return cached[1]
         layers = self.model.layers
         watched = [layers._modules] + [d for layer in layers for d in
                                        (layer._modules, layer.self_attn._modules, layer.mlp._modules)]
-        plan = _lean_layers_of(self) if self.tp_all_reduce is None and self.fc is None else None
+        plan = _lean_layers_of(self)
         self.__dict__["_lean"] = ([(d, tuple(d.values())) for d in watched], plan)
         return plan
 
