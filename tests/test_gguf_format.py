@@ -19,6 +19,7 @@ from specmesh.kernels import attention, ggml, qdot
 from specmesh.loader import model_from_hf
 from specmesh.quant import QuantLinear, SuperCodes, WeightFormat, fuse_qdot, gguf_int4_codes, gguf_q6k_codes
 from specmesh.sampling import SamplingParams
+from specmesh.tree import depths, tree_attention_mask
 from tests.tiny_models import random_hf_model
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason=f"integer kernel unavailable: {qdot.reason()}")
@@ -208,15 +209,10 @@ def _forwards(model) -> list[torch.Tensor]:
     out.append(model(torch.tensor([7]), torch.tensor([12]), cache, 12))
     cache.commit([12])
     parents = [-1, -1, 0, 0, 1, 2, 2, 4, 5]
-    mask = torch.zeros(9, 13 + 9, dtype=torch.bool)
-    mask[:, :13] = True
-    depth = []
-    for i, p in enumerate(parents):
-        mask[i, 13 + i] = True
-        mask[i] |= mask[p] if p >= 0 else False
-        depth.append(1 if p < 0 else depth[p] + 1)
+    mask = torch.ones(9, 13 + 9, dtype=torch.bool)
+    mask[:, 13:] = tree_attention_mask(parents)
     tokens = torch.randint(0, 128, (9,), generator=g)
-    out.append(model(tokens, torch.tensor([12 + d for d in depth]), cache, 13, mask))
+    out.append(model(tokens, torch.tensor([12 + d for d in depths(parents)]), cache, 13, mask))
     return out
 
 

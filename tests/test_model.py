@@ -22,7 +22,7 @@ from specmesh.engine import SpecConfig, StopConditions, TargetSession, generate
 from specmesh.loader import bundled_target_path, load_model, load_tokenizer, model_from_hf, resolve_folder
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.tree import DraftTree, depths, path_to
+from specmesh.tree import DraftTree, depths, path_to, tree_attention_mask
 from tests.tiny_models import random_hf_model
 
 TOL = 1e-4
@@ -251,10 +251,8 @@ def test_inexact_rows_attend_row_by_row_where_the_kernel_runs():
         prompt = _random_ids(12, seed=5)
         tree = TREES["tree"]
         node_depth = depths(tree.parents)
-        mask = torch.zeros(len(tree), 12 + len(tree), dtype=torch.bool)
-        mask[:, :12] = True
-        for i in range(len(tree)):
-            mask[i, [12 + j for j in path_to(tree.parents, i)]] = True
+        mask = torch.ones(len(tree), 12 + len(tree), dtype=torch.bool)
+        mask[:, 12:] = tree_attention_mask(tree.parents)
         out = {}
         for exact in (True, False):
             cache = model.new_cache()
