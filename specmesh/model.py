@@ -127,10 +127,14 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
-def _fusion_plan(owner: nn.Module, layers: tuple[nn.Module, ...]) -> list[tuple[nn.Module | None, list[nn.Module]]]:
-    """`layers` in runs that `quant.fuse_qdot` joins: (the fused layer or None, the run). The plan is
-    made at the first call and again whenever `owner`'s layers were replaced (a loader requantizing
-    them); it is kept out of the module tree, so state dicts and module walks see only `layers`."""
+Products = list[tuple[nn.Module, list[int] | None]]  # a layer, and the outputs it splits into (None: one)
+
+
+def _fusion_plan(owner: nn.Module, layers: tuple[nn.Module, ...]) -> Products:
+    """`layers` as the products that compute them: consecutive layers that `quant.fuse_qdot` joins
+    become one fused layer, its output split into theirs. The plan is made at the first call and
+    again whenever `owner`'s layers were replaced (a loader requantizing them); it is kept out of
+    the module tree, so state dicts and module walks see only `layers`."""
     plan = owner.__dict__.get("_fused")
     if plan is None or len(plan[0]) != len(layers) or any(a is not b for a, b in zip(plan[0], layers)):
         from specmesh.quant import fuse_qdot, fusion_key
@@ -142,21 +146,33 @@ def _fusion_plan(owner: nn.Module, layers: tuple[nn.Module, ...]) -> list[tuple[
                 runs[-1].append(m)
             else:
                 runs.append([m])
-        plan = (layers, [(fuse_qdot(r) if len(r) > 1 else None, r) for r in runs])
+        fused = [fuse_qdot(r) if len(r) > 1 else None for r in runs]
+        plan = (layers, [(r[0], None) if f is None else (f, [m.out_features for m in r]) for f, r in zip(fused, runs)])
         owner.__dict__["_fused"] = plan
     return plan[1]
+
+
+def _apply_products(products: Products, x: torch.Tensor,
+                    apply: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Each product's output (`apply(layer, x)`), split where it stands for several layers."""
+    outs: list[torch.Tensor] = []
+    for m, splits in products:
+        y = apply(m, x)
+        if splits is None:
+            outs.append(y)
+        else:
+            outs.extend(y.split(splits, -1))
+    return outs
+
+
+def _call(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
 
 
 def _side_by_side(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """Each of `layers` applied to x, consecutive layers that `quant.fuse_qdot` can join run as one
     product (q/k/v, gate/up: decode steps pay per product, not only per weight byte)."""
-    outs: list[torch.Tensor] = []
-    for fused, run in _fusion_plan(owner, layers):
-        if fused is None:
-            outs.append(run[0](x))
-        else:
-            outs.extend(fused(x).split([m.out_features for m in run], -1))
-    return outs
+    return _apply_products(_fusion_plan(owner, layers), x, _call)
 
 
 ROW_ATTENTION_MAX = 64  # segments of up to this many rows attend row by row (`_attention_by_row`)
@@ -197,11 +213,12 @@ def _attention_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _row_kernel_takes(cache: KVCache) -> bool:
-    """Whether `specmesh.kernels.attention` runs on this cache's tensors. Inexact segments (drafters)
+    """Whether `specmesh.kernels.attention` runs on this cache's tensors (`attention.runs`, asked of
+    one layer's keys: queries share their dtype, device and head dim). Inexact segments (drafters)
     then attend row by row as well: on a CPU the kernel is faster than batched SDPA at every width
     up to ROW_ATTENTION_MAX (a model drafter's level, one row to a predraft's 64)."""
-    k = cache.k
-    return k.dtype == torch.float32 and k.device.type == "cpu" and k.shape[-1] % 32 == 0 and attention.available()
+    keys = cache.layer(0)[0]
+    return attention.runs(keys, keys)
 
 
 class Attention(nn.Module):
@@ -427,23 +444,18 @@ class Transformer(nn.Module):
 
 @dataclass(frozen=True)
 class _LeanLayer:
-    qkv: list[tuple[nn.Module, list[int] | None]]  # products (a QuantLinear) and the outputs each splits into
+    qkv: Products  # each product a QuantLinear on the integer kernel
     o: nn.Module
-    gate_up: list[tuple[nn.Module, list[int] | None]]
+    gate_up: Products
     down: nn.Module
     input_norm: RMSNorm
     post_norm: RMSNorm
     head_dim: int
 
 
-def _lean_products(owner: nn.Module, layers: tuple[nn.Module, ...]) -> list[tuple[nn.Module, list[int] | None]] | None:
-    out = []
-    for fused, run in _fusion_plan(owner, layers):
-        m = fused if fused is not None else run[0]
-        if not _on_qdot(m):
-            return None
-        out.append((m, None if fused is None else [r.out_features for r in run]))
-    return out
+def _lean_products(owner: nn.Module, layers: tuple[nn.Module, ...]) -> Products | None:
+    products = _fusion_plan(owner, layers)
+    return products if all(_on_qdot(m) for m, _ in products) else None
 
 
 def _on_qdot(m: nn.Module) -> bool:
@@ -495,29 +507,19 @@ def _lean_layers(plan: list[_LeanLayer], s: Segment, h: torch.Tensor, cos: torch
         y = op(x, b["qd_codes"], b["qd_sb"], b["qd_sc"], m.out_features, m.bits, m.supergroups, th)
         return y if b["bias"] is None else y + b["bias"]
 
-    def side_by_side(products, x: torch.Tensor) -> list[torch.Tensor]:
-        outs: list[torch.Tensor] = []
-        for m, splits in products:
-            y = product(m, x)
-            if splits is None:
-                outs.append(y)
-            else:
-                outs.extend(y.split(splits, -1))
-        return outs
-
     g = torch.ops.specmesh_glue
     offsets, slots = s.row_keys
     end = s.start + t
     x = g.rms_norm(h, plan[0].input_norm._parameters["weight"], plan[0].input_norm.eps, th)
     for i, L in enumerate(plan):
-        q, k, v = side_by_side(L.qkv, x)
+        q, k, v = _apply_products(L.qkv, x, product)
         kc, vc = s.cache.layer(i)
         q = g.rope_into(q, k, v, cos, sin, L.head_dim, kc, vc, s.start, th)  # [H, T, D]
         a = attention.row_attention(q, kc[:, :end], vc[:, :end], offsets, slots)  # [H, T, D]
         post = L.post_norm
         h, x = g.add_rms_norm(h, product(L.o, a.transpose(0, 1).reshape(t, -1)), post._parameters["weight"],
                               post.eps, th)
-        gate, up = side_by_side(L.gate_up, x)
+        gate, up = _apply_products(L.gate_up, x, product)
         m = product(L.down, g.silu_mul(gate, up, th))
         if i + 1 < len(plan):
             nxt = plan[i + 1].input_norm
