@@ -104,6 +104,14 @@ class BatchingTarget:
 
     forward = __call__
 
+    def idle(self, cache: KVCache) -> None:
+        """The session of `cache` asks for no forward before its next turn: batches stop waiting
+        for it at once, not `ACTIVE_S` later (a turn that starts right after another ended would
+        otherwise wait `gather_s` at each of its first steps for a session that is not coming)."""
+        with self._cv:
+            if self._seen.pop(id(cache), None) is not None:
+                self._cv.notify_all()
+
     def _gather(self) -> None:
         """Wait up to `gather_s` for the other recently active sessions' next requests (they are
         busy between forwards: sampling, commit, streaming), so concurrent sessions step together

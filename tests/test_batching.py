@@ -158,3 +158,21 @@ def test_concurrent_generations_match_sequential_ones(model):
         t.join(120)
     assert out == expected
     assert bt.stats.segments >= 4 * 24
+
+
+def test_a_session_gone_idle_is_not_waited_for(model):
+    """A forward waits up to `gather_s` for the other sessions active a moment ago; `idle` says one
+    of them asks for nothing more (its turn ended), and a waiting forward goes on at once."""
+    bt = BatchingTarget(model, gather_s=60.0)
+    a, b = prefilled(model, 5, 0), prefilled(model, 5, 1)
+    expected = model(torch.tensor([7]), torch.tensor([5]), clone(b), 5)
+    bt(torch.tensor([7]), torch.tensor([5]), a, 5)  # a alone: never waits
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(bt(torch.tensor([7]), torch.tensor([5]), b, 5)), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert not got, "b waits for a, which asked for a forward a moment ago"
+    bt.idle(a)
+    t.join(30)
+    assert got and torch.equal(got[0], expected)
+    bt(torch.tensor([8]), torch.tensor([6]), b, 6)  # b alone again: a was forgotten

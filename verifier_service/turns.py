@@ -200,6 +200,8 @@ class Verifier:
                 yield Chunk([], tail)
         finally:
             res.stats.total_s = time.perf_counter() - t0
+            if isinstance(self.model, BatchingTarget):
+                self.model.idle(target.cache)  # the turn is over: other sessions' batches go without it
             if source is not None:  # the drafter session stays with the session (closed with it)
                 out.timeouts, out.predraft_hits, out.plain_steps = (source.timeouts, source.predraft_hits,
                                                                     source.plain_steps)

@@ -101,3 +101,31 @@ def test_the_turn_loop_streams_the_engines_output_and_keeps_the_session(bundle):
                      token_ids=verifier_pb2.TokenIds(), resumed_output_tokens=k, max_tokens=12 - k,
                      speculation=no_spec)
     assert ids3 == ref[k:] and out3.cached_prompt_tokens == 0
+
+
+def test_a_turn_does_not_wait_for_a_session_whose_turn_ended(bundle):
+    """With batching, a step waits (up to `gather_s`) for the other recently active sessions to
+    join its forward; a session whose turn is over is not coming, so the next session's turn, right
+    after, must not wait for it (it did, at every step of its first half second)."""
+    import threading
+
+    from specmesh.batching import BatchingTarget
+
+    model, tok, _v, _s = bundle
+    slow = BatchingTarget(model, gather_s=60.0)  # a wait for a gone session would take a minute a step
+    verifier = Verifier(VerifierConfig(drafter="127.0.0.1:9", max_new_tokens=64), slow, tok)
+    servicer = VerifierServicer(verifier)
+    prompt = tok.encode("Count to three:", add_special_tokens=False)
+    no_spec = verifier_pb2.SpeculationOptions(disabled=True)
+    outs: list = []
+
+    def two_turns() -> None:
+        for _ in range(2):
+            outs.append(run(verifier, servicer, token_ids=verifier_pb2.TokenIds(ids=prompt), max_tokens=4,
+                            speculation=no_spec)[0])
+
+    t = threading.Thread(target=two_turns, daemon=True)
+    t.start()
+    t.join(30)
+    assert len(outs) == 2, "the second turn waited for the first one's session"
+    assert outs[0] == outs[1] == generate(model, prompt, SamplingParams(), StopConditions(4)).token_ids[:4]
