@@ -374,12 +374,37 @@ def requantize_to_4bit(model: Transformer) -> Transformer:
     return model
 
 
+def requantize_to_8bit(model: Transformer) -> Transformer:
+    """Turn a float model's Linear layers into 8-bit codes on the integer kernel (`quantize_q8`:
+    symmetric, 16 inputs per fp16 scale, as GGUF Q8_0 loads), in place; a layer whose width the
+    kernel does not take stays fp32. `gguf` in the model card (the integer kernel's formats),
+    requantized from F32. For drafters only: it changes the numerics (by about 0.4% of a
+    group's largest weight)."""
+    from specmesh.kernels.qdot import GROUP
+    from specmesh.quant import QuantLinear, WeightFormat, quantize_q8
+
+    info = WeightFormat("gguf")
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear):
+            if m.in_features % GROUP[8]:
+                info.keep("F32")
+                continue
+            q, s = quantize_q8(m.weight.detach())
+            parent, child = name.rsplit(".", 1) if "." in name else ("", name)
+            setattr(model.get_submodule(parent), child, QuantLinear.from_codes(q, s, torch.zeros_like(s), 8, m.bias))
+            info.note(name, "F32")
+    model.weight_format = info
+    kernels.tune(model)
+    return model
+
+
 def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> Transformer:
     """A drafter's model. `auto`: a GGUF drafter as a target would load (`auto_format`), and under
     `gguf` its layers wider than 4 bits requantized to 4 (`requantize_to_4bit`): a drafter's
     numerics only change how often its proposals are accepted, never the output, and its cost is
-    the bytes it reads per level. Any other checkpoint: int4 when that measured faster here on its
-    largest Linear shape (`fastest_format`), else fp32."""
+    the bytes it reads per level. Any other checkpoint: whichever of 8-bit codes on the integer
+    kernel (`requantize_to_8bit`, where that kernel builds here), int4 and fp32 measured fastest
+    here on its largest Linear shape (`fastest_format`)."""
     if dtype != "auto":
         return load_model(path, dtype)
     p = Path(path)
@@ -393,7 +418,12 @@ def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> T
     if not shapes:
         return model
     n, k = max(shapes, key=lambda s: s[0] * s[1] if s[0] < model.config.vocab_size else 0)
-    return quantize_model(model, "int4") if fastest_format(n, k, ("int4", "fp32")) == "int4" else model
+    from specmesh.kernels import qdot
+
+    choice = fastest_format(n, k, (("q8",) if qdot.available() else ()) + ("int4", "fp32"))
+    if choice == "q8":
+        return requantize_to_8bit(model)
+    return quantize_model(model, "int4") if choice == "int4" else model
 
 
 def load_gguf(path: Path, fmt: str) -> Transformer:

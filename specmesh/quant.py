@@ -79,6 +79,17 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
+def quantize_q8(w: torch.Tensor, group: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest 8-bit codes per `group` inputs, the integer kernel's 8-bit layout
+    (`specmesh.kernels.qdot`, as Q8_0 loads): ([N, K] int16 codes in [-127, 127], [N, K / group]
+    scales, each an fp16 value). A requantization: for drafters."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scale = (g.abs().amax(-1) / 127).half().float()  # fp16 values: the kernel holds them as fp16
+    q = torch.where(scale[..., None] > 0, g / scale[..., None].clamp_min(1e-30), torch.zeros(()))
+    return q.round().clamp(-127, 127).to(torch.int16).view(n, k), scale
+
+
 def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
     """GGUF 4-bit packing: per `2 * half` weights, `half` bytes, low nibbles first, then high."""
     nb = qs.shape[0]
@@ -528,6 +539,9 @@ def _timed_layer(fmt: str, w: torch.Tensor, g: torch.Generator):
 
     if fmt == "fp32":
         return lambda x: kernels.linear(x, w)  # the measured fp32 choice (small-M kernel or torch)
+    if fmt == "q8":  # a float checkpoint's weights as 8-bit codes in the integer kernel (drafters)
+        q, s = quantize_q8(w)
+        return QuantLinear.from_codes(q, s, torch.zeros_like(s), 8, None)
     if fmt == "gguf":  # 4-bit codes in the integer kernel, as a Q4_K tensor loads
         n, k = w.shape
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int16)
@@ -552,7 +566,7 @@ def time_formats(n: int, k: int, formats: tuple[str, ...] = ("gguf", "int4", "fp
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.02  # [N, K]
-    bits = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "gguf": 4}
+    bits = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "gguf": 4, "q8": 8}
     layers = {f: [_timed_layer(f, w.clone() if f == "fp32" else w, g)
                   for _ in range(max(2, copies_bytes * 8 // (bits[f] * n * k)))] for f in formats}
     times = {f: {m: [] for m in AUTO_ROWS} for f in formats}

@@ -49,16 +49,38 @@ def test_other_checkpoints_stay_float32(monkeypatch, tmp_path):
 def test_a_drafter_may_be_requantized(monkeypatch, tmp_path):
     from specmesh.drafters import bundled_drafter_path
 
-    _verdict(monkeypatch, tmp_path, "int4")
+    calls = _verdict(monkeypatch, tmp_path, "int4")
     model = load_drafter_weights(bundled_drafter_path(), "auto")
     assert model.weight_format.fmt == "int4" and any(isinstance(m, QuantLinear) for m in model.modules())
+    assert calls[0][2] == (("q8",) if qdot.available() else ()) + ("int4", "fp32")
     _verdict(monkeypatch, tmp_path, "fp32")
     model = load_drafter_weights(bundled_drafter_path(), "auto")
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
+@pytest.mark.skipif(not qdot.available(), reason="the integer kernel does not build here: q8 is not offered")
+def test_a_float_drafter_may_take_8bit_codes_on_the_integer_kernel(monkeypatch, tmp_path):
+    """`q8`: every Linear of a float drafter as 8-bit codes (16 inputs per fp16 scale) on the
+    integer kernel; its logits stay close to fp32's and its greedy picks nearly all the same
+    (a drafter's numerics only move its acceptance)."""
+    from specmesh.drafters import bundled_drafter_path
+
+    _verdict(monkeypatch, tmp_path, "fp32")
+    ref = load_drafter_weights(bundled_drafter_path(), "auto")
+    _verdict(monkeypatch, tmp_path, "q8")
+    model = load_drafter_weights(bundled_drafter_path(), "auto")
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
+    assert linears and all(isinstance(m, QuantLinear) and m.kernel == "specmesh-qdot" and m.bits == 8 for m in linears)
+    assert model.weight_format.describe() == f"gguf (requantized: {len(linears)} F32)"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, ref.config.hidden_size, generator=g)
+    want, got = ref.lm_head(x), model.lm_head(x)
+    assert (got - want).norm() < 0.02 * want.norm()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
 def test_the_verdict_is_measured_on_real_layers():
-    formats = (("gguf",) if qdot.available() else ()) + ("int4", "fp32")
+    formats = (("gguf", "q8") if qdot.available() else ()) + ("int4", "fp32")
     r = quant.time_formats(64, 128, formats, copies_bytes=1 << 16)
     assert r["choice"] in formats
     for f in formats:
