@@ -18,7 +18,8 @@ from drafter_service.servicer import DrafterServicer
 from drafter_service.sessions import SessionStore
 from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
-from specmesh.drafters.predraft import calibrated_costs
+from specmesh.drafters.predraft import fit_calibration
+from specmesh.engine import drafter_calls
 from specmesh.grammar import Grammars
 from specmesh.planner import Acceptance, Costs
 from specmesh.service import grpc_server, set_serving, stop_server, until_signal
@@ -115,7 +116,8 @@ def serve(cfg: DrafterServiceConfig) -> None:
     grammars = build_grammars(cfg, vocab_size)
     threads = fit_threads(drafter)
     store = SessionStore(cfg.max_sessions, cfg.idle_timeout_s, max_total_tokens=cfg.max_total_tokens)
-    costs, recent = calibrated_costs(drafter, vocab_size), Acceptance()
+    costs, recent = Costs(), Acceptance()
+    fit_calibration(costs, drafter_calls(drafter, vocab_size))  # measured, or kept from an earlier start here
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         from drafter_service.metrics import DrafterMetrics, MeteredDrafter, start_exporter
         drafter = MeteredDrafter(drafter, metrics := DrafterMetrics(lambda: len(store)))

@@ -324,8 +324,8 @@ class PlannedDrafts:
 class LocalPlanning:
     """What the in-process planner measured for one (target, drafter) pair, kept for the process's
     later generations as a drafter service keeps it for its sessions: the drafter's costs
-    (calibrated on first use, `calibrated_costs`), its recent sessions' acceptance, and the
-    target's step by rows (`measure_steps` on first use, corrected by live steps: `StepTable`)."""
+    (`drafter_calls` on first use), its recent sessions' acceptance, and the target's step by rows
+    (`target_steps` on first use, corrected by live steps: `StepTable`)."""
 
     costs: Costs
     recent: Acceptance
@@ -359,27 +359,49 @@ def planning_for(model: Transformer, drafter: Drafter) -> LocalPlanning:
 
 
 def pair_costs(model: Transformer, drafter: Drafter) -> dict:
-    """A pair's costs as the planner takes them: the target's step by rows (`measure_steps`) and the
-    drafter's timed calls (`drafter_samples`), a few seconds for a 1.5B target on a CPU. Costs follow
-    from layouts, not weight values, so where the drafter holds a model they are kept on disk
-    (`$SPECMESH_CACHE/costs`) keyed by both models' layouts and this process's machine, threads and
-    kernel choices (`kernels.machine_key`), and a later process with the same key reads them back
-    instead of measuring (live steps then correct them as they always do). `SPECMESH_COST_CACHE=0`
-    measures every time; drafters without a model (n-gram, oracle) are always measured."""
+    """A pair's costs as the planner takes them: the target's step by rows (`target_steps`) and the
+    drafter's timed calls (`drafter_calls`), a few seconds for a 1.5B target on a CPU, each kept
+    per machine."""
+    return {"steps": target_steps(model), **drafter_calls(drafter, model.config.vocab_size)}
+
+
+def target_steps(model: Transformer) -> list:
+    """The target's step by rows (`measure_steps`), kept (`kept_costs`) by its layout; a TP
+    group's (not one module in this process) is measured every time."""
+    from specmesh import kernels
+
+    if not isinstance(model, torch.nn.Module):
+        return measure_steps(model)
+    return kept_costs("steps", {"target": kernels.layout_key(model), "rows": list(STEP_ROWS)},
+                      lambda: {"steps": measure_steps(model)})["steps"]
+
+
+def drafter_calls(drafter: Drafter, vocab_size: int | None) -> dict:
+    """The drafter's timed calls (`predraft.drafter_samples`), kept (`kept_costs`) by its model's
+    layout; a drafter without a model (n-gram, oracle) is measured every time."""
     from specmesh import kernels
     from specmesh.drafters.predraft import drafter_samples
+
+    held = getattr(drafter, "model", None)
+    measure = lambda: drafter_samples(drafter, vocab_size)  # noqa: E731
+    if not isinstance(held, torch.nn.Module):
+        return measure()
+    return kept_costs("drafter", {"drafter": [type(drafter).__name__, kernels.layout_key(held)]}, measure)
+
+
+def kept_costs(what: str, key: dict, measure: Callable[[], dict]) -> dict:
+    """`measure()`, or what it returned in an earlier process with the same key. Costs follow from
+    layouts, not weight values: they are kept on disk (`$SPECMESH_CACHE/costs`) keyed by `key` (a
+    model's layout) and this process's machine, threads and kernel choices (`kernels.machine_key`).
+    Live steps correct them as they always do. `SPECMESH_COST_CACHE=0` measures every time."""
+    from specmesh import kernels
     from specmesh.kernels.dispatch import cached_json
     from specmesh.paths import cache_root
 
-    def measure() -> dict:
-        return {"steps": measure_steps(model), **drafter_samples(drafter, model.config.vocab_size)}
-
-    held = getattr(drafter, "model", None)
-    if not isinstance(held, torch.nn.Module) or os.environ.get(COST_CACHE_ENV, "1") == "0":
+    if os.environ.get(COST_CACHE_ENV, "1") == "0":
         return measure()
-    key = {"what": "pair costs", "machine": kernels.machine_key(), "target": kernels.layout_key(model),
-           "drafter": [type(drafter).__name__, kernels.layout_key(held)], "rows": list(STEP_ROWS)}
-    return cached_json(cache_root() / "costs", "pair", key, measure)[0]
+    full = {"what": f"{what} costs", "machine": kernels.machine_key(), **key}
+    return cached_json(cache_root() / "costs", what, full, measure)[0]
 
 
 def run_turn(

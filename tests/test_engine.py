@@ -274,10 +274,13 @@ def test_measure_steps_times_each_row_count() -> None:
 
 
 def test_a_pairs_costs_are_measured_once_per_machine(tmp_path, monkeypatch) -> None:
-    """`pair_costs` keeps a model pair's measured costs on disk: a later process (here: a new
-    model object of the same layout) reads them back instead of measuring; another layout, an
-    n-gram drafter or SPECMESH_COST_CACHE=0 measures."""
+    """`pair_costs` keeps the target's step table and the drafter's calls on disk, each by its own
+    model's layout (the verifier and the drafter service read the same through `target_steps` and
+    `drafter_calls`): a later process (here: a new model object of the same layout) reads them back
+    instead of measuring; another layout, an n-gram drafter, a target that is not one module here
+    (a TP group) or SPECMESH_COST_CACHE=0 measures."""
     import specmesh.engine as engine
+    import specmesh.drafters.predraft as predraft
     from specmesh.model import ModelConfig, Transformer
 
     def tiny(hidden: int) -> Transformer:
@@ -287,24 +290,43 @@ def test_a_pairs_costs_are_measured_once_per_machine(tmp_path, monkeypatch) -> N
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
         return Transformer(cfg, inv_freq).eval()
 
-    measured = []
-    steps = engine.measure_steps
-    monkeypatch.setattr(engine, "measure_steps", lambda m: measured.append(m) or steps(m, rounds=1))
+    steps, calls = [], []
+    measure_steps, samples = engine.measure_steps, predraft.drafter_samples
+    monkeypatch.setattr(engine, "measure_steps", lambda m: steps.append(m) or measure_steps(m, rounds=1))
+    monkeypatch.setattr(predraft, "drafter_samples", lambda d, v: calls.append(d) or samples(d, v))
     monkeypatch.setenv("SPECMESH_CACHE", str(tmp_path))
     monkeypatch.setenv(engine.COST_CACHE_ENV, "1")
     first = engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
-    assert len(measured) == 1 and [r for r, _ in first["steps"]] == list(engine.STEP_ROWS)
+    assert (len(steps), len(calls)) == (1, 1) and [r for r, _ in first["steps"]] == list(engine.STEP_ROWS)
     assert first["draft"] and first["draft_many"]
     again = engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
-    assert len(measured) == 1 and again == json.loads(json.dumps(first))  # read back, as JSON holds it
+    assert (len(steps), len(calls)) == (1, 1) and again == json.loads(json.dumps(first))  # as JSON holds it
     planning = engine.planning_for(tiny(32), ModelDrafter(tiny(32)))
-    assert len(measured) == 1 and planning.costs.draft.calibrated and planning.steps.start
-    engine.pair_costs(tiny(32), ModelDrafter(tiny(64)))  # another drafter layout
-    engine.pair_costs(tiny(32), NgramDrafter())  # no model: its costs are not kept
+    assert (len(steps), len(calls)) == (1, 1) and planning.costs.draft.calibrated and planning.steps.start
+    assert engine.target_steps(tiny(32)) == again["steps"] and len(steps) == 1  # the verifier's start
+    engine.pair_costs(tiny(32), ModelDrafter(tiny(64)))  # another drafter layout: its calls only
+    assert (len(steps), len(calls)) == (1, 2)
+    engine.pair_costs(tiny(64), NgramDrafter())  # another target; no drafter model: never kept
+    engine.pair_costs(tiny(64), NgramDrafter())
+    assert (len(steps), len(calls)) == (2, 4)
+
+    class Group:  # a TP group's handle (verifier_service.tp_group.TPModel): the model's interface, no module
+        def __init__(self, model: Transformer) -> None:
+            self.model = model
+
+        def __call__(self, *args, **kwargs):
+            return self.model(*args, **kwargs)
+
+        def __getattr__(self, name: str):
+            return getattr(self.model, name)
+
+    engine.target_steps(Group(tiny(32)))
+    assert len(steps) == 3
     monkeypatch.setenv(engine.COST_CACHE_ENV, "0")
     engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
-    assert len(measured) == 4
-    assert [p.name.split("-")[0] for p in (tmp_path / "costs").glob("*.json")] == ["pair", "pair"]
+    assert (len(steps), len(calls)) == (4, 5)
+    kept = sorted(p.name.split("-")[0] for p in (tmp_path / "costs").glob("*.json"))
+    assert kept == ["drafter", "drafter", "steps", "steps"]
 
 
 def test_rollback_to_a_prefix_continues_as_a_session_started_there() -> None:

@@ -98,7 +98,7 @@ def serve(cfg: VerifierConfig) -> int:
     if cfg.metrics_port:  # Prometheus text at http://host:metrics_port/metrics
         start_exporter(cfg.host, cfg.metrics_port, verifier.metrics.render)
     server, port, hs = build_server(verifier)
-    print("verifier_service: step by rows (ms), measured at start for drafters' planners: "
+    print("verifier_service: step by rows (ms), measured here (or kept: engine.target_steps) for drafters' planners: "
           + ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in verifier.steps.points()), flush=True)
     fmt = getattr(model, "weight_format", None)  # the model card: which weights, and what was requantized
     weights = fmt.describe() if fmt is not None else cfg.dtype

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from specmesh.batching import BatchingTarget
-from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, measure_steps, run_turn
+from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, run_turn, target_steps
 from specmesh.planner import StepTable
 from specmesh.grammar import Grammars, GrammarSpec
 from specmesh.limits import check_ids
@@ -71,10 +71,10 @@ class Verifier:
         self.sessions = SessionStore(cfg.max_sessions)
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured outputs
         self.links = LinkPool(cfg.max_message_bytes, cfg.reconnect_s, cfg.peer_tls)
-        # this verifier's step by rows, measured here and corrected by its live steps: drafters plan
-        # their trees against it (a batching wrapper's own model: one session's steps are its
-        # forwards, uncounted)
-        self.steps = StepTable(measure_steps(model.model if isinstance(model, BatchingTarget) else model))
+        # this verifier's step by rows, measured here (or kept from an earlier start on this machine:
+        # `engine.target_steps`) and corrected by its live steps: drafters plan their trees against
+        # it (a batching wrapper's own model: one session's steps are its forwards, uncounted)
+        self.steps = StepTable(target_steps(model.model if isinstance(model, BatchingTarget) else model))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -63,7 +63,7 @@ from specmesh.tree import ROOT, DraftTree, children_of, main_path, subtree, trim
 
 __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "SessionClosedError", "main_path",
            "subtree", "trim", "trim_nodes", "predraft_shape", "pick_predrafted", "useful_depth", "next_tree_from",
-           "draft_generator", "calibrate", "calibrated_costs", "drafter_samples", "fit_calibration"]
+           "draft_generator", "calibrate", "drafter_samples", "fit_calibration"]
 # What the drafter's recent sessions weigh in a new session's acceptance: a few of the session's own
 # steps outweigh it, since acceptance differs between prompts (code, prose) far more than within one.
 PRIOR_OBSERVATIONS = 8.0
@@ -537,10 +537,3 @@ def drafter_samples(drafter: Drafter, vocab_size: int | None) -> dict[str, list]
     finally:
         session.close()
 
-
-def calibrated_costs(drafter: Drafter, vocab_size: int | None) -> Costs:
-    """The drafter's costs by levels and rows, measured now (`drafter_samples`), so that the first
-    sessions' plans already price width."""
-    costs = Costs()
-    fit_calibration(costs, drafter_samples(drafter, vocab_size))
-    return costs
