@@ -367,6 +367,29 @@ def tiny_model():
     return Transformer(cfg, inv_freq).eval()
 
 
+def test_a_turns_prompt_is_fed_apart_from_the_first_trees_draft(tiny_model, monkeypatch) -> None:
+    """A model draft session feeds its committed tokens at its next draft call. The first tree of a
+    turn would feed the whole prompt in the call that is timed as that tree's draft: a prefill
+    priced as a draft made the planner's draft cost several times what drafting costs. The prompt
+    is fed in a call of its own; the trees' timed calls feed nothing behind."""
+    from specmesh.drafters.model import ModelDrafter
+
+    timed = []
+    add = DraftAhead._add_draft_cost
+    monkeypatch.setattr(DraftAhead, "_add_draft_cost",
+                        lambda self, trees, seconds, behind, many=False: timed.append(behind)
+                        or add(self, trees, seconds, behind, many))
+    ctx = list(range(3, 43))  # a 40-token prompt
+    session = ModelDrafter(tiny_model).open(ctx)
+    ahead = DraftAhead(session, len(ctx), GREEDY, pipelined=False, costs=eager(), fixed=True)
+    tree = ahead.first(4, 2).tree
+    assert tree.tokens and timed == [0]
+    ahead.commit(0, [tree.tokens[0]], 7, 4, 2)  # a step's commit: the accepted node's K/V is kept
+    assert timed == [0, 0]
+    ahead.extend(list(range(10, 40)), 4, 2)  # a new turn: its 30 tokens fed apart too
+    assert timed == [0, 0, 0]
+
+
 def test_draft_ahead_model_matches_fresh_drafts(tiny_model) -> None:
     from specmesh.drafters.model import ModelDrafter
 

@@ -158,6 +158,7 @@ class DraftAhead:
         self._sent_plan: Plan | None = None  # the plan that chose the tree last sent
         self._period_from: float | None = None  # when the step of the tree last sent began (None: the first)
         self._plain_steps = 0  # empty trees sent in a row
+        self._prompt_fed = False  # whether the session has fed the turn's context (the prompt) yet
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -235,6 +236,7 @@ class DraftAhead:
             self.session.commit(list(tokens), features)
             self.position = keep + len(tokens)
             self._held = 0
+            self._prompt_fed = self._prompt_fed and same_turn
             return self._send_fresh(budget, depth)
 
     @property
@@ -420,6 +422,12 @@ class DraftAhead:
         p = (self.plan if self._caps == (budget, depth) else None) or self._plan(budget, depth)
         if p.budget == 0:
             return self._send(DraftTree.empty(), budget, depth, False, p, p.run or self._plain_run())
+        if not self._prompt_fed and self._behind() > 0:
+            # feed the turn's context in a call of its own: the timed draft call below would count
+            # a prefill as drafting (one such call once made the planner's draft cost 5x what
+            # drafting costs, and sessions went plain for dozens of steps)
+            self.session.draft(0, 0, self.params, self.generator)
+        self._prompt_fed = True
         behind = self._behind()
         t = time.perf_counter()
         tree = self.session.draft(p.budget, p.depth, self.params, self.generator, **guided(self.guide))
