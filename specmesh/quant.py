@@ -79,10 +79,11 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-def quantize_q8(w: torch.Tensor, group: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric round-to-nearest 8-bit codes per `group` inputs, the integer kernel's 8-bit layout
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest 8-bit codes per group of inputs, the integer kernel's 8-bit layout
     (`specmesh.kernels.qdot`, as Q8_0 loads): ([N, K] int16 codes in [-127, 127], [N, K / group]
     scales, each an fp16 value). A requantization: for drafters."""
+    group = qdot.GROUP[8]
     n, k = w.shape
     g = w.float().view(n, k // group, group)
     scale = (g.abs().amax(-1) / 127).half().float()  # fp16 values: the kernel holds them as fp16
