@@ -12,9 +12,10 @@ import torch
 
 from specmesh.batching import BatchingTarget
 from specmesh.engine import StopConditions, generate
-from specmesh.model import ModelConfig, Segment, Transformer, causal_mask
+from specmesh.model import Segment, Transformer, causal_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import tree_attention_mask
+from tests.tiny_models import tiny_transformer
 
 
 pytestmark = pytest.mark.usefixtures("kernel_only")  # the bit-identity of batched rows is the kernel's
@@ -22,17 +23,7 @@ pytestmark = pytest.mark.usefixtures("kernel_only")  # the bit-identity of batch
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=True, max_position_embeddings=512)
-    torch.manual_seed(0)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
-    m = Transformer(cfg, inv_freq).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 1 and "norm" not in name:
-                p.normal_(0.0, 0.1)  # non-zero q/k/v biases
-    return m
+    return tiny_transformer()
 
 
 def prefilled(model: Transformer, n: int, seed: int):

@@ -21,6 +21,26 @@ def random_hf_model(cfg, seed: int = 0):
     return hf
 
 
+def tiny_transformer(seed: int = 0, weight_std: float | None = None):
+    """specmesh's own Transformer, tiny (GQA, q/k/v biases), seeded: biases N(0, 0.1); with
+    `weight_std`, every matrix N(0, weight_std) too (peaked logits: greedy chains a drafter can follow)."""
+    from specmesh.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=True, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    m = Transformer(cfg, inv_freq).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 1 and "norm" not in name:
+                p.normal_(0.0, 0.1)  # non-zero q/k/v biases
+            elif p.dim() == 2 and weight_std is not None:
+                p.normal_(0.0, weight_std)
+    return m
+
+
 def tiny_distillation_setup(vocab: int = 96, examples: int = 24):
     """A tiny random Llama target and distillation examples of it: its own greedy continuations of
     random prompts with its top-8 at every continuation position (the format of
