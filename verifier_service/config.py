@@ -37,6 +37,8 @@ class VerifierConfig(ServiceConfig):
     depth: int = 4                     # default cap on tree depth
     pipelining: str = "auto"           # drafters predraft the next step: auto | on | off (`pipelines`)
     batching: str = "auto"             # CPU: sessions share forwards (specmesh.batching): on | off | auto
+    static_shapes: str = "off"         # on: fixed-shape steps over a KV pool, CUDA graphs on a GPU (specmesh.static_steps)
+    static_buckets: tuple[int, ...] = (16,)  # their row buckets (one: speculation's output identical by construction)
     draft_deadline_s: float = 1.0      # cap on the wait for a tree (derived from the drafter's measured answers)
     reconnect_s: float = 2.0           # retry a failed drafter after this long
     max_sessions: int = 64             # sessions whose KV cache is kept (LRU beyond)
@@ -79,6 +81,13 @@ class VerifierConfig(ServiceConfig):
         flag(p, "--batching", d.batching, choices=("auto", "on", "off"),
              help="--tp 1: concurrent sessions share forwards (auto: on with --threads > 1; with one "
                   "thread, concurrent per-session forwards use the other cores instead)")
+        flag(p, "--static-shapes", d.static_shapes, choices=("on", "off"),
+             help="--tp 1: every forward at a fixed row bucket over a KV pool of --max-sessions regions of "
+                  "--max-context-tokens + a tree, captured as CUDA graphs on a GPU (specmesh.static_steps); "
+                  "sessions then do not share forwards")
+        flag(p, "--static-buckets", ",".join(map(str, d.static_buckets)), type=_buckets,
+             help="comma list of row buckets for --static-shapes (one bucket: output identical to plain "
+                  "decoding by construction; several: cheaper decode steps, identity as measured)")
         flag(p, "--draft-deadline-s", d.draft_deadline_s, type=float,
              help="the longest wait for a tree; each step waits what the drafter's measured answer times "
                   "make likely, within it (a request's own draft_deadline_s is kept as asked)")
@@ -121,6 +130,12 @@ class VerifierConfig(ServiceConfig):
         for name in ("max_sessions", "max_context_tokens", "max_new_tokens", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.static_shapes not in ("on", "off"):
+            raise ValueError(f"static_shapes: expected on or off, got {self.static_shapes!r}")
+        if self.static_shapes == "on" and self.tp > 1:
+            raise ValueError("static_shapes: on needs --tp 1 (a pool and graphs per rank are not built)")
+        if not self.static_buckets or not all(1 <= b <= MAX_TREE_NODES + 1 for b in self.static_buckets):
+            raise ValueError(f"static_buckets: each must be in [1, {MAX_TREE_NODES + 1}], got {self.static_buckets}")
         for name in ("draft_deadline_s", "reconnect_s", "tp_start_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -141,7 +156,30 @@ class VerifierConfig(ServiceConfig):
         """Whether sessions share forwards (on a CPU target, at any TP): `auto` = at TP > 1, or with
         more than one torch thread (at TP=1 and one thread, sessions' separate forwards on separate
         cores measured faster; a TP group's forward already takes every rank's cores)."""
+        if self.static_shapes == "on":
+            return False  # a static step serves one session's rows (specmesh.static_steps)
         return self.batching == "on" or (self.batching == "auto" and (self.tp > 1 or self.threads > 1))
+
+    def static_steps(self, model):
+        """`model` behind `StaticSteps` sized by this config (--static-shapes on), else itself."""
+        if self.static_shapes != "on":
+            return model
+        from specmesh.static_steps import StaticSteps
+
+        static = StaticSteps(model, limit=self.max_context_tokens + MAX_TREE_NODES + 1, sessions=self.max_sessions,
+                             buckets=self.static_buckets)
+        r = static.warmup()
+        print(f"verifier_service: static shapes: buckets {r['buckets']}, CUDA graphs captured {r['captured']} in "
+              f"{r['capture_s']} s, KV pool {r['sessions']} x {r['limit']} slots ({r['pool_bytes'] / 2**20:.0f} MiB)",
+              flush=True)
+        return static
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of row counts, got {text!r}") from None
 
 
 def on_this_machine(address: str) -> bool:

@@ -54,7 +54,7 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
     if not grouped:
         model = load_model(path, dtype)
         fit_threads(model)
-        model, batched = batching(model)
+        model, batched = batching(cfg.static_steps(model))
         return model, "none", batched
     from verifier_service.tp_group import start_tp
 
@@ -68,6 +68,7 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
     model = start_tp(path, cfg.tp, threads_per_rank=cfg.threads, listen=cfg.tp_listen or None,
                      local_ranks=cfg.tp_local_ranks or None, start_timeout_s=cfg.tp_start_timeout_s,
                      backend=backend, dtype=dtype)
+    model.model = cfg.static_steps(model.model)  # rank 0's forward (--tp 1: its only one)
     model, batched = batching(model)  # every rank runs the batch's forward (tp_group's BATCH op)
     return model, backend, batched
 

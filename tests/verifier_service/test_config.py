@@ -48,3 +48,20 @@ def test_drafter_addr_and_its_deprecated_old_name(capsys):
     assert capsys.readouterr().err == ""
     assert VerifierConfig.from_args(["--drafter", "127.0.0.1:6"]).drafter == "127.0.0.1:6"
     assert "--drafter is deprecated, use --drafter-addr" in capsys.readouterr().err
+
+
+def test_static_shapes_flags_and_what_they_refuse():
+    """--static-shapes on: one bucket of 16 by default, sessions stop sharing forwards; a TP group
+    of several ranks and buckets outside a tree's rows are refused, naming the setting."""
+    cfg = VerifierConfig.from_args(["--static-shapes", "on", "--threads", "2", "--batching", "on"])
+    cfg.validate()
+    assert cfg.static_buckets == (16,) and not cfg.batched
+    assert VerifierConfig.from_args(["--static-buckets", "2,8,32"]).static_buckets == (2, 8, 32)
+    with pytest.raises(SystemExit):
+        VerifierConfig.from_args(["--static-buckets", "eight"])
+    with pytest.raises(ValueError, match="static_shapes: on needs --tp 1"):
+        VerifierConfig(static_shapes="on", tp=2).validate()
+    with pytest.raises(ValueError, match="static_buckets: each must be in"):
+        VerifierConfig(static_buckets=(0, 8)).validate()
+    with pytest.raises(ValueError, match="static_buckets: each must be in"):
+        VerifierConfig(static_buckets=(66,)).validate()
