@@ -37,6 +37,8 @@ from loadtest.bench_engine import _commit
 from loadtest.bench_services import DEPTH, Config, format_table, reference_cases, run_all, summarise, write_reference
 from specmesh.launch import start
 
+# nominal HBM bandwidth (GB/s) of the GPUs this check is lent, by a part of their CUDA name
+BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0}
 # Llama 3.2 1B's shapes with SmolLM2's vocabulary (the tokenizer we carry): 1.07B parameters.
 PRESETS = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's, where there is one)")
     ap.add_argument("--work", default=None, help="folder for the model files (default: a temporary one)")
+    ap.add_argument("--static-buckets", default="16",
+                    help="row buckets of the static-shape verifier (verifier_service --static-shapes on)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="the device's nominal memory bandwidth in GB/s, for the weight-read limit (default: "
+                         "known GPUs by name, see BANDWIDTH_GBS)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -122,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
 
     model = place(load_model(work / "target", dtype), device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    bandwidth = args.bandwidth_gbs or next((bw for key, bw in BANDWIDTH_GBS.items() if key in name), None)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     stop = StopConditions(args.max_tokens)
@@ -141,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         procs["o8c"] = start("drafter_service", "--drafter", "oracle:0.8", *oracle)
         procs["o8"] = start("drafter_service", "--drafter", "oracle:0.8", *oracle, "--draft-cost-s", str(cost_s))
         procs["model"] = start("drafter_service", "--drafter", f"model:{work / 'drafter'}", *dev_flags, timeout=600)
+        drafters = ",".join(p.address for p in procs.values())
         procs["tp1"] = start("verifier_service", "--target", str(work / "target"), *dev_flags,
-                             "--draft-deadline-s", "10", "--drafter-allow", ",".join(p.address for p in procs.values()),
-                             timeout=600)
+                             "--draft-deadline-s", "10", "--drafter-allow", drafters, timeout=600)
+        procs["static"] = start("verifier_service", "--target", str(work / "target"), *dev_flags,
+                                "--draft-deadline-s", "10", "--drafter-allow", drafters, "--static-shapes", "on",
+                                "--static-buckets", args.static_buckets, "--max-sessions", "4",
+                                "--max-context-tokens", str(args.prompt_len + args.max_tokens + 16), timeout=600)
         configs = [Config("in-process none", "inproc"),
                    Config("in-process oracle 0.8 cost-free", "inproc", "o8c"),
                    Config("in-process oracle 0.8 with draft cost", "inproc", "o8", alpha=0.8, cost_s=cost_s),
@@ -153,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                    Config("tp1 oracle 0.8 cost-free pipelining on", "tp1", "o8c", True, 0.8, fixed=True),
                    Config("tp1 o8 pipelining off", "tp1", "o8", False, 0.8, cost_s, fixed=True),
                    Config("tp1 o8 pipelining on", "tp1", "o8", True, 0.8, cost_s, fixed=True),
-                   Config("tp1 model drafter (random, same device) pipelining on", "tp1", "model", True)]
+                   Config("tp1 model drafter (random, same device) pipelining on", "tp1", "model", True),
+                   # the same verifier with fixed-shape steps (CUDA graphs on a GPU: specmesh.static_steps)
+                   Config("static autoregressive", "static"),
+                   Config("static o8 pipelining off", "static", "o8", False, 0.8, cost_s, fixed=True),
+                   Config("static o8 pipelining on", "static", "o8", True, 0.8, cost_s, fixed=True)]
         run_all(configs, cases, model, {k: p.address for k, p in procs.items()}, args.max_tokens)
         verifier_line = next(line.strip() for line in procs["tp1"].lines if "listening on" in line)
+        static_line = next(line.strip() for line in procs["static"].lines if "static shapes:" in line)
     finally:
         for p in procs.values():
             p.stop()
@@ -163,9 +182,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     results = summarise(configs)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    # batch-1 decoding reads every weight once a token: bytes / bandwidth bounds its rate
+    limit = None if bandwidth is None else bandwidth * 1e9 / weight_bytes
+    decode = {c.name: c.decode_rate() for c in configs}
+    for r in results:
+        if limit is not None and r["name"] in ("in-process none", "tp1 autoregressive", "static autoregressive"):
+            tokens, seconds = decode[r["name"]]
+            r["of_weight_read_limit"] = round(tokens / seconds / limit, 3)
     meta = {"commit": args.commit or _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": str(device),
-            "device_name": gpu, "dtype": args.dtype, "torch": torch.__version__,
+            "device_name": name, "dtype": args.dtype, "torch": torch.__version__, "weight_bytes": weight_bytes,
+            "bandwidth_gbs": bandwidth, "weight_read_limit_tok_s": None if limit is None else round(limit, 1),
+            "static_verifier": static_line,
             "target": f"random Llama ({args.preset}: {PRESETS[args.preset]}, vocab {vocab}), {params / 1e9:.2f}B",
             "verifier": verifier_line, "prompts": len(cases), "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "depth": DEPTH, "draft_cost_s_per_level": round(cost_s, 5),

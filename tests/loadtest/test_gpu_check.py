@@ -18,10 +18,14 @@ def test_gpu_check_runs_every_configuration_and_reproduces_the_target(tmp_path) 
     meta = data["meta"]
     assert meta["commit"] == "test" and meta["device"] == "cpu" and meta["dtype"] == "float32"
     assert "(tp=1, cpu, float32, process group none" in meta["verifier"]
+    assert "static shapes: buckets [16], CUDA graphs captured []" in meta["static_verifier"]
+    assert meta["weight_bytes"] > 0 and meta["weight_read_limit_tok_s"] is None  # no bandwidth known for a CPU
     for name in ("tp1 autoregressive", "tp1 o8 pipelining off", "tp1 o8 pipelining on",
-                 "tp1 model drafter (random, same device) pipelining on"):
+                 "tp1 model drafter (random, same device) pipelining on", "static autoregressive",
+                 "static o8 pipelining off", "static o8 pipelining on"):
         assert rows[name]["tokens_per_s"] > 0
     # the oracle at 0.8 verifies more than one token per step; the overhead row compares like with like
     assert rows["tp1 oracle 0.8 cost-free pipelining off"]["tokens_per_step"] > 1
+    assert rows["static o8 pipelining off"]["tokens_per_step"] > 1
     assert rows["per-step gRPC overhead (s)"]["same_steps"] is True
     assert rows["tp1 o8 pipelining on"]["gamma_c"] > 0 and rows["tp1 o8 pipelining on"]["draft_cost_s_per_level"] > 0
