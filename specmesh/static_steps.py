@@ -50,9 +50,14 @@ cheaper decode steps; it is a measured option, not the default. Output is compar
 decoding through the same `StaticSteps`, not against the dynamic path: the two attend in
 different orders and may differ in the last bits.
 
+Sessions together: `forward_batch` runs several sessions' rows as one step when they fit the
+largest bucket (each row gathers its own session's keys; the graph is the same one), so
+`specmesh.batching.BatchingTarget` with `max_rows` = the largest bucket batches verification
+across sessions on a GPU as on a CPU, and with one bucket a row's result does not depend on which
+rows share its step.
+
 Not covered: tensor-parallel groups of more than one rank (each rank would need its own pool and
-the all-reduce inside the graph) and cross-session batched forwards (`forward_batch` reads
-through to the dynamic path, which works on these caches but is not static).
+the all-reduce inside the graph).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from specmesh.kv_cache import KVCache
-from specmesh.model import Transformer, _rotate_half, _side_by_side, causal_mask
+from specmesh.model import Segment, Transformer, _rotate_half, _side_by_side, causal_mask
 
 BUCKETS = (16,)  # one shape for every row: identity by construction (docstring)
 
@@ -158,61 +163,97 @@ class StaticSteps:
     def __getattr__(self, name: str):
         if name == "model":  # not set yet: no recursion
             raise AttributeError(name)
-        return getattr(self.model, name)  # weight_format, fc, vocab_map, forward_batch, ...
+        return getattr(self.model, name)  # weight_format, fc, vocab_map, ...
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, start: int,
                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | slice | None = slice(None),
                 features: torch.Tensor | None = None, hidden: bool = False, exact: bool = True):
         """`Transformer.forward` at static shapes (`exact` is moot: there is one attention path)."""
-        t = tokens.shape[0]
-        if not isinstance(cache, StaticCache) or cache.owner is not self:
-            raise ValueError("cache: not a region of this model's static KV pool (use its new_cache)")
-        if t < 1 or positions.shape != tokens.shape:
-            raise ValueError(f"tokens: expected [T] tokens and [T] positions, T >= 1, got {tuple(tokens.shape)} "
-                             f"and {tuple(positions.shape)}")
-        cache.ensure_capacity(start + t)
-        if mask is None:
-            mask = causal_mask(start, t)
-        elif tuple(mask.shape) != (t, start + t):
-            raise ValueError(f"mask: expected shape ({t}, {start + t}), got {tuple(mask.shape)}")
-        mask = mask.cpu()
-        if t > self.buckets[-1] and mask[:, start:].triu(1).any():
-            raise ValueError(f"mask: a forward of more than {self.buckets[-1]} rows runs in chunks, so a row may "
-                             "see only rows before it (causal and tree masks do)")
-        if (self.model.fc is not None) != (features is not None) or (
-                features is not None and tuple(features.shape) != (t, self.config.hidden_size)):
-            raise ValueError("features: a feature drafter needs one target feature per token; other models take none")
-        outs = []
-        with self._lock:
-            for lo in range(0, t, self.buckets[-1]):
-                hi = min(t, lo + self.buckets[-1])
-                outs.append(self._chunk(tokens[lo:hi], positions[lo:hi], cache, start + lo, mask[lo:hi, :start + hi],
-                                        None if features is None else features[lo:hi]))
-        logits = outs[0][0] if len(outs) == 1 else torch.cat([o[0] for o in outs])
-        out_dev = tokens.device
-        picked = None if logits_rows is None else logits[logits_rows].to(out_dev)
-        if not hidden:
-            return picked
-        return picked, (outs[0][1] if len(outs) == 1 else torch.cat([o[1] for o in outs])).to(out_dev)
+        seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden)
+        logits = self.forward_batch([seg])[0]
+        return (logits, seg.hidden) if hidden else logits
 
     __call__ = forward
 
-    def _chunk(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, start: int,
-               mask: torch.Tensor, features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [start, start + n) of a forward (n <= the largest bucket) at their bucket: (logits,
-        hidden) of the n real rows."""
+    def forward_batch(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """`Transformer.forward_batch` at static shapes: segments whose rows fit the largest bucket
+        together run as one step (each row reads its own session's keys), a larger one alone in
+        chunks. Rows are computed alike however they are grouped (one bucket: the same shapes)."""
+        masks = [self._check(s) for s in segments]
+        top = self.buckets[-1]
+        with self._lock:
+            if sum(s.tokens.shape[0] for s in segments) <= top:
+                logits, h = self._run([self._part(s.cache, s.start, s.tokens, s.positions, m, s.features)
+                                       for s, m in zip(segments, masks)])
+                per = list(zip(logits.split([s.tokens.shape[0] for s in segments]),
+                               h.split([s.tokens.shape[0] for s in segments])))
+            else:
+                per = []
+                for s, m in zip(segments, masks):
+                    t, f = s.tokens.shape[0], s.features
+                    outs = [self._run([self._part(s.cache, s.start + lo, s.tokens[lo:lo + top],
+                                                  s.positions[lo:lo + top], m[lo:lo + top, :s.start + min(t, lo + top)],
+                                                  None if f is None else f[lo:lo + top])])
+                            for lo in range(0, t, top)]
+                    per.append((torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])))
+        out = []
+        for s, (logits, h) in zip(segments, per):
+            dev = s.tokens.device
+            if s.want_hidden:
+                s.hidden = h.to(dev)
+            out.append(None if s.logits_rows is None else logits[s.logits_rows].to(dev))
+        return out
+
+    def _check(self, s: Segment) -> torch.Tensor:
+        """Refuse what this step cannot run (ValueError naming the field); the segment's mask on the CPU."""
+        t = s.tokens.shape[0]
+        if not isinstance(s.cache, StaticCache) or s.cache.owner is not self:
+            raise ValueError("cache: not a region of this model's static KV pool (use its new_cache)")
+        if t < 1 or s.positions.shape != s.tokens.shape:
+            raise ValueError(f"tokens: expected [T] tokens and [T] positions, T >= 1, got {tuple(s.tokens.shape)} "
+                             f"and {tuple(s.positions.shape)}")
+        s.cache.ensure_capacity(s.start + t)
+        if s.mask is None:
+            mask = causal_mask(s.start, t)
+        elif tuple(s.mask.shape) != (t, s.start + t):
+            raise ValueError(f"mask: expected shape ({t}, {s.start + t}), got {tuple(s.mask.shape)}")
+        else:
+            mask = s.mask.cpu()
+        if t > self.buckets[-1] and mask[:, s.start:].triu(1).any():
+            raise ValueError(f"mask: a forward of more than {self.buckets[-1]} rows runs in chunks, so a row may "
+                             "see only rows before it (causal and tree masks do)")
+        if (self.model.fc is not None) != (s.features is not None) or (
+                s.features is not None and tuple(s.features.shape) != (t, self.config.hidden_size)):
+            raise ValueError("features: a feature drafter needs one target feature per token; other models take none")
+        return mask
+
+    def _part(self, cache: StaticCache, start: int, tokens: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor, features: torch.Tensor | None) -> _Inputs:
+        """One session's rows [start, start + n) as unpadded host inputs (`mask` [n, start + n])."""
         n = tokens.shape[0]
-        b = next(b for b in self.buckets if b >= n)
-        seen = torch.zeros(b, self.limit, dtype=torch.bool)
-        seen[:n, :start + n] = mask
-        seen[n:, 0] = True  # padding rows see one slot (their outputs are dropped; no empty softmax)
+        seen = torch.zeros(n, self.limit, dtype=torch.bool)
+        seen[:, :start + n] = mask
         # each row's visible slots first, in slot order (a stable sort of "hidden" keeps it)
         keys = torch.sort((~seen).to(torch.uint8), dim=1, stable=True).indices + cache.base
-        host = _Inputs(tokens=_padded(tokens, b), positions=_padded(positions, b),
-                       slots=torch.cat([torch.arange(cache.base + start, cache.base + start + n),
-                                        torch.arange(self._scratch, self._scratch + b - n)]),
-                       keys=keys, mask=torch.arange(self.limit) < seen.sum(1, keepdim=True),
-                       features=None if features is None else _padded(features.float(), b))
+        return _Inputs(tokens.cpu().to(torch.int64), positions.cpu().to(torch.int64),
+                       torch.arange(cache.base + start, cache.base + start + n), keys,
+                       torch.arange(self.limit) < seen.sum(1, keepdim=True),
+                       None if features is None else features.cpu().float())
+
+    def _run(self, parts: list[_Inputs]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts' rows (at most the largest bucket) as one step at their bucket: (logits,
+        hidden) of the real rows, in order."""
+        n = sum(p.tokens.shape[0] for p in parts)
+        b = next(b for b in self.buckets if b >= n)
+        pad = b - n  # padding rows: K/V to scratch slots, one visible key (outputs dropped; no empty softmax)
+        host = _Inputs(*(torch.cat([getattr(p, name) for p in parts] + [filler])
+                         for name, filler in (("tokens", torch.zeros(pad, dtype=torch.int64)),
+                                              ("positions", torch.zeros(pad, dtype=torch.int64)),
+                                              ("slots", torch.arange(self._scratch, self._scratch + pad)),
+                                              ("keys", torch.zeros(pad, self.limit, dtype=torch.int64)),
+                                              ("mask", torch.arange(self.limit).expand(pad, -1) < 1))),
+                       features=None if parts[0].features is None else
+                       torch.cat([p.features for p in parts] + [parts[0].features.new_zeros(pad, parts[0].features.shape[1])]))
         if self.graphs:
             graph, inputs, (logits, h) = self._graph(b)
             _copy_into(inputs, host)
@@ -222,7 +263,7 @@ class StaticSteps:
             logits, h = self._step(_on(host, self.device))
             logits, h = logits[:n], h[:n]
         self.stats.steps[b] = self.stats.steps.get(b, 0) + 1
-        self.stats.padded_rows += b - n
+        self.stats.padded_rows += pad
         return logits, h
 
     def warmup(self) -> dict:
@@ -316,13 +357,6 @@ class StaticSteps:
         self.stats.captured.append(b)
         self.stats.capture_s += time.perf_counter() - t0
         return got
-
-
-def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [n, ...] on the CPU with zero rows appended up to `rows` (ids as int64)."""
-    x = x.cpu()
-    x = x.to(torch.int64) if not x.is_floating_point() else x
-    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
 def _on(x: _Inputs, device: torch.device) -> _Inputs:

@@ -6,13 +6,15 @@ bad input is refused and leaves the session usable."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
+from specmesh.batching import BatchingTarget
 from specmesh.drafters import NgramDrafter, OracleDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
-from specmesh.model import Transformer
+from specmesh.model import Segment, Transformer
 from specmesh.sampling import SamplingParams
 from specmesh.static_steps import BUCKETS, StaticSteps
 from specmesh.tree import depths, tree_attention_mask
@@ -148,3 +150,54 @@ def test_warmup_runs_every_bucket_and_reports():
 def test_cuda_graphs_need_a_cuda_device():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         StaticSteps(_model(), limit=8, sessions=1, graphs=True)
+
+
+def test_sessions_in_one_step_equal_each_alone():
+    """Three sessions' rows (a tree, a decode, two prompt rows) as one 16-row step give each
+    session, to the bit, what its own step gives, and K/V land in each one's own region."""
+    st = StaticSteps(_model(), limit=48, sessions=6, buckets=(16,))
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 5)]
+    parents = [-1, 0, -1, 2, 3]
+
+    def segments(caches):
+        tree_mask = torch.ones(6, 9 + 6, dtype=torch.bool)
+        tree_mask[0, 10:] = False
+        tree_mask[1:, 10:] = tree_attention_mask(parents)
+        return [Segment(torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([0] + depths(parents)) + 9, caches[0], 9,
+                        tree_mask, want_hidden=True),
+                Segment(torch.tensor([11]), torch.tensor([14]), caches[1], 14),
+                Segment(torch.tensor([12, 13]), torch.tensor([5, 6]), caches[2], 5, logits_rows=slice(-1, None))]
+
+    together = segments([_prefilled(st, p) for p in prompts])
+    outs = st.forward_batch(together)
+    steps = st.report()["steps"][16]
+    for i, seg in enumerate(segments([_prefilled(st, p) for p in prompts[:3]])):
+        alone = st.forward_batch([seg])[0]
+        assert torch.equal(alone, outs[i]), i
+        if seg.want_hidden:
+            assert torch.equal(seg.hidden, together[i].hidden)
+        n = seg.tokens.shape[0]
+        assert torch.equal(seg.cache.k[:, :, seg.start:seg.start + n],
+                           together[i].cache.k[:, :, seg.start:seg.start + n])
+    assert outs[2].shape == (1, 128) and st.report()["steps"][16] == steps + 3 + 3  # 3 prefills, 3 alone
+
+
+def test_concurrent_sessions_through_batching_match_each_alone():
+    """Greedy speculation of 4 sessions in 4 threads through BatchingTarget over the static steps
+    (how a GPU verifier batches): each output is the session's own, and forwards were shared."""
+    st = StaticSteps(_model(seed=5), limit=64, sessions=8, buckets=(16,))
+    prompts = [[i + 1, 2 * i + 3, 5, 7 + i, 1, 2] for i in range(4)]
+    stop = StopConditions(24)
+    spec = SpecConfig(budget=3, depth=3, fixed=True)
+    expected = [generate(st, p, SamplingParams(), stop).token_ids for p in prompts]
+    bt = BatchingTarget(st, max_rows=st.buckets[-1], gather_s=0.05)
+    out: list = [None] * 4
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(
+        i, generate(bt, prompts[i], SamplingParams(), stop, drafter=NgramDrafter(), spec=spec).token_ids))
+        for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == expected
+    assert bt.stats.max_segments > 1
