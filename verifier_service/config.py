@@ -84,7 +84,7 @@ class VerifierConfig(ServiceConfig):
         flag(p, "--static-shapes", d.static_shapes, choices=("on", "off"),
              help="--tp 1: every forward at a fixed row bucket over a KV pool of --max-sessions regions of "
                   "--max-context-tokens + a tree, captured as CUDA graphs on a GPU (specmesh.static_steps); "
-                  "sessions then do not share forwards")
+                  "sessions share steps of the largest bucket (--batching auto: on, on any device)")
         flag(p, "--static-buckets", ",".join(map(str, d.static_buckets)), type=_buckets,
              help="comma list of row buckets for --static-shapes (one bucket: output identical to plain "
                   "decoding by construction; several: cheaper decode steps, identity as measured)")
@@ -156,8 +156,8 @@ class VerifierConfig(ServiceConfig):
         """Whether sessions share forwards (on a CPU target, at any TP): `auto` = at TP > 1, or with
         more than one torch thread (at TP=1 and one thread, sessions' separate forwards on separate
         cores measured faster; a TP group's forward already takes every rank's cores)."""
-        if self.static_shapes == "on":
-            return False  # a static step serves one session's rows (specmesh.static_steps)
+        if self.static_shapes == "on":  # auto: on, on any device (one bucket: rows exact however batched)
+            return self.batching != "off"
         return self.batching == "on" or (self.batching == "auto" and (self.tp > 1 or self.threads > 1))
 
     def static_steps(self, model):

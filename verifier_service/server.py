@@ -37,9 +37,13 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
     from specmesh.loader import load_model
     from specmesh.runtime import fit_threads
 
+    static = cfg.static_shapes == "on"
+
     def batching(model):
-        batched = cfg.batched and device.type == "cpu"  # specmesh.batching drives a CPU model
-        if batched and cfg.batching == "auto" and not kernels.describe()["batch_invariant"]:
+        # specmesh.batching drives a CPU model, or static steps on any device (their rows are exact
+        # however they are grouped, and a batch is one step of their largest bucket)
+        batched = cfg.batched and (device.type == "cpu" or static)
+        if batched and not static and cfg.batching == "auto" and not kernels.describe()["batch_invariant"]:
             # batched rows must compute as they would alone; some weight shapes take torch's GEMM here
             print("verifier_service: batching off: this machine's products are not batch-invariant "
                   "(kernels.describe()); --batching on forces it", file=sys.stderr, flush=True)
@@ -47,7 +51,7 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
         if batched:
             from specmesh.batching import BatchingTarget
 
-            model = BatchingTarget(model)
+            model = BatchingTarget(model, max_rows=cfg.static_buckets[-1]) if static else BatchingTarget(model)
         return model, batched
 
     grouped = cfg.tp > 1 or device.type == "cuda"  # a TPModel: several ranks, or the one-rank NCCL group

@@ -51,11 +51,12 @@ def test_drafter_addr_and_its_deprecated_old_name(capsys):
 
 
 def test_static_shapes_flags_and_what_they_refuse():
-    """--static-shapes on: one bucket of 16 by default, sessions stop sharing forwards; a TP group
+    """--static-shapes on: one bucket of 16 by default, sessions batched unless --batching off; a TP group
     of several ranks and buckets outside a tree's rows are refused, naming the setting."""
-    cfg = VerifierConfig.from_args(["--static-shapes", "on", "--threads", "2", "--batching", "on"])
+    cfg = VerifierConfig.from_args(["--static-shapes", "on"])
     cfg.validate()
-    assert cfg.static_buckets == (16,) and not cfg.batched
+    assert cfg.static_buckets == (16,) and cfg.batched  # one thread, yet batched: exact by construction
+    assert not VerifierConfig(static_shapes="on", batching="off").batched
     assert VerifierConfig.from_args(["--static-buckets", "2,8,32"]).static_buckets == (2, 8, 32)
     with pytest.raises(SystemExit):
         VerifierConfig.from_args(["--static-buckets", "eight"])
