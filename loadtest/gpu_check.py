@@ -11,9 +11,13 @@ oracle 0.8 cost-free and with a draft cost of `--cost-frac` target steps per lev
 so a chain costs 4 x cost-frac of a target step: below verify cost), pipelining off and on; and a
 model drafter (a random 2-layer Llama on the same device, `--drafter model:PATH --device D`): its
 drafts are almost never accepted, so it checks that a GPU drafter's trees verify to the same
-output, not speed. Output: JSON (bench_services' summary: tokens/s, speedup over the verifier's
-own autoregressive decoding, idle fraction, predraft hits, DESIGN.md's bounds at the measured
-acceptance) and a markdown table.
+output, not speed. A second verifier runs with `--static-shapes on` (specmesh.static_steps: fixed
+row buckets, CUDA graphs on a GPU) and its rows sit beside the dynamic verifier's; then both serve
+1, 8 and 32 concurrent sessions (`--sessions`; oracle 0.8 cost-free; the static one batches them).
+Output: JSON (bench_services' summary: tokens/s, speedup over the verifier's own autoregressive
+decoding, idle fraction, predraft hits, DESIGN.md's bounds at the measured acceptance; the weight
+bytes and, for a GPU of known bandwidth, each autoregressive row's share of the weight-read limit;
+the concurrent rows) and markdown tables.
 
 Runs on the CPU too (`--device cpu --preset tiny`: the test's configuration).
 
@@ -34,7 +38,8 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_engine import _commit
-from loadtest.bench_services import DEPTH, Config, format_table, reference_cases, run_all, summarise, write_reference
+from loadtest.bench_services import (DEPTH, Config, format_table, reference_cases, run_all, run_remote, summarise,
+                                     write_reference)
 from specmesh.launch import start
 
 # nominal HBM bandwidth (GB/s) of the GPUs this check is lent, by a part of their CUDA name
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="folder for the model files (default: a temporary one)")
     ap.add_argument("--static-buckets", default="16",
                     help="row buckets of the static-shape verifier (verifier_service --static-shapes on)")
+    ap.add_argument("--sessions", default="1,8,32",
+                    help="concurrent sessions of the throughput rows (each a thread with its own Generate)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="the device's nominal memory bandwidth in GB/s, for the weight-read limit (default: "
                          "known GPUs by name, see BANDWIDTH_GBS)")
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from specmesh.loader import load_model
 
     device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
+    levels = [int(n) for n in args.sessions.split(",")]
     tok = Path(args.tokenizer) if args.tokenizer else default_tokenizer()
     vocab = len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"])
     work = Path(args.work or tempfile.mkdtemp(prefix="specmesh-gpu-check-"))
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--draft-deadline-s", "10", "--drafter-allow", drafters, timeout=600)
         procs["static"] = start("verifier_service", "--target", str(work / "target"), *dev_flags,
                                 "--draft-deadline-s", "10", "--drafter-allow", drafters, "--static-shapes", "on",
-                                "--static-buckets", args.static_buckets, "--max-sessions", "4",
+                                "--static-buckets", args.static_buckets, "--max-sessions", str(max(levels)),
                                 "--max-context-tokens", str(args.prompt_len + args.max_tokens + 16), timeout=600)
         configs = [Config("in-process none", "inproc"),
                    Config("in-process oracle 0.8 cost-free", "inproc", "o8c"),
@@ -172,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                    Config("static autoregressive", "static"),
                    Config("static o8 pipelining off", "static", "o8", False, 0.8, cost_s, fixed=True),
                    Config("static o8 pipelining on", "static", "o8", True, 0.8, cost_s, fixed=True)]
-        run_all(configs, cases, model, {k: p.address for k, p in procs.items()}, args.max_tokens)
+        addresses = {k: p.address for k, p in procs.items()}
+        run_all(configs, cases, model, addresses, args.max_tokens)
+        concurrent = [concurrent_row(where, n, cases, addresses, args.max_tokens)
+                      for where in ("tp1", "static") for n in levels]
         verifier_line = next(line.strip() for line in procs["tp1"].lines if "listening on" in line)
         static_line = next(line.strip() for line in procs["static"].lines if "static shapes:" in line)
     finally:
@@ -200,10 +211,47 @@ def main(argv: list[str] | None = None) -> int:
             "threads": f"{args.threads} torch thread(s) per process",
             "note": "chains (budget = depth = 4); EOS ignored; random prompts; ratios from one run, interleaved per "
                     "prompt; o8 = oracle 0.8 with draft cost"}
+    for r in concurrent:
+        one = next(c for c in concurrent if c["verifier"] == r["verifier"] and c["sessions"] == levels[0])
+        r["vs_fewest_sessions"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        json.dump({"meta": meta, "results": results, "concurrent": concurrent}, f, indent=1)
     print(format_table(meta, results))
-    return 0 if all(d.get("identical_to_target", True) for d in results) else 1
+    print("| verifier | sessions | tok/s (all sessions) | vs fewest sessions | identical |\n|---|---|---|---|---|\n"
+          + "\n".join(f"| {r['verifier']} | {r['sessions']} | {r['tokens_per_s']:.1f} | {r['vs_fewest_sessions']:.2f}x "
+                      f"| {r['identical_to_target']} |" for r in concurrent))
+    ok = all(d.get("identical_to_target", True) for d in results + concurrent)
+    return 0 if ok else 1
+
+
+def concurrent_row(where: str, n: int, cases: list, addresses: dict[str, str], max_tokens: int) -> dict:
+    """Throughput of `n` sessions at once on verifier `where`, each a thread with one Generate of
+    case i % len(cases) (oracle 0.8, cost-free, chains of DEPTH, pipelining off): all sessions'
+    tokens over the wall time, and whether every output is its case's reference."""
+    import threading
+
+    rows = [Config(f"{where} x{n}", where, "o8c", False, 0.8, fixed=True) for _ in range(n)]
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        ids, expected = cases[i % len(cases)]
+        try:
+            run_remote(rows[i], addresses, ids, expected, max_tokens)
+        except Exception as e:  # noqa: BLE001 - reported in the row, and the row fails
+            rows[i].identical = False
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    tokens = sum(c.tokens for c in rows)
+    return {"verifier": where, "sessions": n, "tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 2), "identical_to_target": all(c.identical for c in rows),
+            "errors": errors[:3]}
 
 
 if __name__ == "__main__":

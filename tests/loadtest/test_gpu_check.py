@@ -11,7 +11,7 @@ from loadtest import gpu_check
 def test_gpu_check_runs_every_configuration_and_reproduces_the_target(tmp_path) -> None:
     out = tmp_path / "gc.json"
     rc = gpu_check.main(["--device", "cpu", "--preset", "tiny", "--prompts", "1", "--prompt-len", "16",
-                         "--max-tokens", "12", "--out", str(out), "--commit", "test"])
+                         "--max-tokens", "12", "--sessions", "1,3", "--out", str(out), "--commit", "test"])
     data = json.loads(out.read_text())
     rows = {r["name"]: r for r in data["results"]}
     assert rc == 0 and all(r.get("identical_to_target", True) for r in rows.values())
@@ -29,3 +29,7 @@ def test_gpu_check_runs_every_configuration_and_reproduces_the_target(tmp_path) 
     assert rows["static o8 pipelining off"]["tokens_per_step"] > 1
     assert rows["per-step gRPC overhead (s)"]["same_steps"] is True
     assert rows["tp1 o8 pipelining on"]["gamma_c"] > 0 and rows["tp1 o8 pipelining on"]["draft_cost_s_per_level"] > 0
+    concurrent = {(r["verifier"], r["sessions"]): r for r in data["concurrent"]}
+    assert set(concurrent) == {("tp1", 1), ("tp1", 3), ("static", 1), ("static", 3)}
+    for r in concurrent.values():
+        assert r["identical_to_target"] and not r["errors"] and r["tokens"] == r["sessions"] * 12
