@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="row buckets of the static-shape verifier (verifier_service --static-shapes on)")
     ap.add_argument("--sessions", default="1,8,32",
                     help="concurrent sessions of the throughput rows (each a thread with its own Generate)")
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                    help="torch.compile the transformers peer's forward (auto: on a GPU, mode reduce-overhead)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="the device's nominal memory bandwidth in GB/s, for the weight-read limit (default: "
                          "known GPUs by name, see BANDWIDTH_GBS)")
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         run_all(configs, cases, model, addresses, args.max_tokens)
         concurrent = [concurrent_row(where, n, cases, addresses, args.max_tokens)
                       for where in ("tp1", "static") for n in levels]
+        compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+        peer = transformers_peer(work / "target", cases, device, dtype, args.max_tokens, compiled)
         verifier_line = next(line.strip() for line in procs["tp1"].lines if "listening on" in line)
         static_line = next(line.strip() for line in procs["static"].lines if "static shapes:" in line)
     finally:
@@ -215,13 +219,45 @@ def main(argv: list[str] | None = None) -> int:
         one = next(c for c in concurrent if c["verifier"] == r["verifier"] and c["sessions"] == levels[0])
         r["vs_fewest_sessions"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results, "concurrent": concurrent}, f, indent=1)
+        json.dump({"meta": meta, "results": results, "concurrent": concurrent, "peer": peer}, f, indent=1)
     print(format_table(meta, results))
     print("| verifier | sessions | tok/s (all sessions) | vs fewest sessions | identical |\n|---|---|---|---|---|\n"
           + "\n".join(f"| {r['verifier']} | {r['sessions']} | {r['tokens_per_s']:.1f} | {r['vs_fewest_sessions']:.2f}x "
                       f"| {r['identical_to_target']} |" for r in concurrent))
+    print(f"{peer['name']}: {peer['tokens_per_s']:.1f} tok/s, token agreement with the references "
+          f"{peer['token_agreement']:.3f}")
     ok = all(d.get("identical_to_target", True) for d in results + concurrent)
     return 0 if ok else 1
+
+
+def transformers_peer(folder: Path, cases: list, device: torch.device, dtype, max_tokens: int,
+                      compiled: bool) -> dict:
+    """transformers' greedy `generate` of the same weights on the same device and dtype, with its
+    static KV cache and, where `compiled`, its forward under `torch.compile(mode="reduce-overhead")`
+    (CUDA graphs on a GPU): tokens/s over the cases after one warm-up generation (which compiles),
+    and the share of tokens equal to the references (another runtime's kernels: near-ties may part)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    if compiled:
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    kw = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, cache_implementation="static",
+              pad_token_id=0)
+
+    def run(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            return hf.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids):].tolist()
+
+    run(cases[0][0])
+    t0 = time.perf_counter()
+    outs = [run(ids) for ids, _ in cases]
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o) for o in outs)
+    same = sum(a == b for o, (_, ref) in zip(outs, cases) for a, b in zip(o, ref))
+    name = "transformers generate, static cache" + (", torch.compile reduce-overhead" if compiled else "")
+    return {"name": name, "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+            "token_agreement": round(same / tokens, 4), "compiled": compiled}
 
 
 def concurrent_row(where: str, n: int, cases: list, addresses: dict[str, str], max_tokens: int) -> dict:

@@ -33,3 +33,6 @@ def test_gpu_check_runs_every_configuration_and_reproduces_the_target(tmp_path) 
     assert set(concurrent) == {("tp1", 1), ("tp1", 3), ("static", 1), ("static", 3)}
     for r in concurrent.values():
         assert r["identical_to_target"] and not r["errors"] and r["tokens"] == r["sessions"] * 12
+    peer = data["peer"]
+    assert peer["name"] == "transformers generate, static cache" and not peer["compiled"]
+    assert peer["tokens"] == 12 and peer["tokens_per_s"] > 0 and peer["token_agreement"] > 0.5
