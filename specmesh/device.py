@@ -18,7 +18,10 @@ is an argmax, and in bfloat16 the few-ulp differences between a one-token decode
 verification (other kernels, other reduction orders) flip near-ties, so speculative and plain
 decoding can part ways. `--dtype bfloat16` halves memory traffic and is the usual choice on GPUs
 (vLLM's `auto` takes the checkpoint's dtype); with it the output is the target's up to those
-numerics, as in every GPU serving engine. `--dtype int8|int4`: weight-only quantized Linear
+numerics, as in every GPU serving engine, unless the verifier runs static shapes with one row
+bucket (`--static-shapes on`, `specmesh.static_steps`): then a tree's rows and one-token decoding
+run the same kernels at the same shapes, and speculation's output is that runtime's plain
+decoding in bf16 too. `--dtype int8|int4`: weight-only quantized Linear
 layers (`specmesh.quant`, CPU); a GGUF loads straight into them. `--dtype gguf`: a GGUF's tensors as
 shipped, on integer kernels (CPU). `--dtype auto`: on a CPU, the fastest format measured here that
 keeps the checkpoint's own weights (`loader.auto_format`: gguf, int4 or float32 for a GGUF, else
