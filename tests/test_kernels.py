@@ -218,6 +218,36 @@ def test_choice_is_one_path_for_every_row_count():
     assert dispatch.choose(near) == "kernel"  # within MARGIN: the batch-invariant path stays
 
 
+def test_a_model_takes_one_path_weighted_by_its_weights():
+    """A model's shapes all take the path its weights, together, run faster on: a tiny shape that
+    torch serves faster does not take torch's threads into a model the kernel serves."""
+    from specmesh.kernels import dispatch
+
+    def entry(kernel_us: float, torch_us: float) -> dict:
+        return {"kernel_us": {str(m): kernel_us for m in dispatch.TUNE_ROWS},
+                "torch_us": {str(m): torch_us for m in dispatch.TUNE_ROWS}}
+
+    entries = {"8960x1536": entry(2000.0, 3000.0), "256x1536": entry(100.0, 60.0)}
+    assert dispatch.choose(entries["256x1536"]) == "torch"
+    assert dispatch.model_choice(entries, {"8960x1536": 56, "256x1536": 56}) == "kernel"
+    assert dispatch.model_choice(entries, {"8960x1536": 1, "256x1536": 100}) == "torch"  # weights decide
+    assert dispatch.model_choice({"256x1536": entry(100.0, 97.0)}, {"256x1536": 4}) == "kernel"  # within MARGIN
+
+
+def test_tune_applies_the_models_choice_to_every_shape(dispatch_state, monkeypatch):
+    from specmesh.kernels import dispatch
+
+    module = _linears((96, 256), (80, 256))
+    monkeypatch.setattr(dispatch, "model_choice", lambda entries, counts: "torch")
+    kernels.tune(module)
+    assert kernels._State.torch_shapes == {(96, 256), (80, 256)} and not kernels.describe()["batch_invariant"]
+    monkeypatch.setattr(dispatch, "model_choice", lambda entries, counts: "kernel")
+    kernels.tune(module)
+    assert kernels._State.torch_shapes == frozenset() and kernels.describe()["batch_invariant"]
+    shapes = kernels.describe()["shapes"]
+    assert {e["choice"] for e in shapes.values()} == {"kernel"} and all("shape_choice" in e for e in shapes.values())
+
+
 @pytest.fixture(scope="module")
 def tiny_target():
     from transformers import LlamaConfig

@@ -240,18 +240,22 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def tune(module: nn.Module) -> None:
-    """Choose kernel or torch for each fp32 CPU `nn.Linear` weight shape in `module`, from the cached
-    table or by timing now (seconds, once per machine); one line on stderr says what was chosen."""
+    """Choose kernel or torch for the fp32 CPU `nn.Linear` weights of `module`, one path for all of
+    them (`dispatch.model_choice`), from the cached table or by timing now (seconds, once per
+    machine); one line on stderr says what was chosen."""
     if _State.op is None or _State.mode != "auto":
         return
     weights = _dispatch.linear_weights(module)
     if not weights:
         return
     entries, _State.table, spent = _dispatch.tune_weights(weights, kernel_linear, library_path())
-    _State.entries = {**_State.entries, **entries}
-    _State.torch_shapes = frozenset(tuple(int(d) for d in s.split("x")) for s, e in _State.entries.items()
-                                    if e["choice"] == "torch")
-    print(_dispatch.summary(entries, spent), file=sys.stderr, flush=True)
+    choice = _dispatch.model_choice(entries, {_dispatch.shape_name(*s): len(ws) for s, ws in weights.items()})
+    # each shape's entry as this model runs it ("choice"), its own timing's verdict kept apart
+    _State.entries = {**_State.entries, **{s: {**e, "choice": choice, "shape_choice": e["choice"]}
+                                           for s, e in entries.items()}}
+    mine = frozenset(weights)
+    _State.torch_shapes = (_State.torch_shapes - mine) | (mine if choice == "torch" else frozenset())
+    print(_dispatch.summary(entries, spent, choice), file=sys.stderr, flush=True)
 
 
 def describe() -> dict:

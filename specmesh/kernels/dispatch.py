@@ -10,14 +10,16 @@ file beside the compiled library, one per key: CPU model, its SIMD flags (avx2/f
 torch's thread count, torch's version and the library's own hash. A later process with the same
 key reads it and times nothing.
 
-**One path per shape, for every row count.** A row's result through the kernel does not depend
+**One path per model, for every row count.** A row's result through the kernel does not depend
 on the other rows in the call; through torch's GEMM it does (MKL takes different code for one
 row, 2-3 rows and 4+ rows, and their results differ in the last bits).
 specmesh.batching runs several sessions' rows in one forward and relies on each session's result
 being what its own forward gives: true bit for bit on every shape whose choice is the kernel for
 all row counts, and broken by a per-row-count choice (a session's one decode row alone and in a
-batch of 10 would take different code). So the choice is one path per shape: the summed medians
-over `TUNE_ROWS`, and torch wins only by more than `MARGIN` (noise must not cost the invariance).
+batch of 10 would take different code). So each shape's verdict (`choose`) sums its medians over
+`TUNE_ROWS`, and torch wins only by more than `MARGIN` (noise must not cost the invariance). And
+one model takes one path for all its shapes (`model_choice`, weighted by its weights): a model
+that mixes them measured slower than either path alone, the two thread pools contending.
 A model whose shapes all choose the kernel has `describe()["batch_invariant"]`; a shape that
 chooses torch has torch's numerics, as with `SPECMESH_KERNELS=0`. Greedy output is the same
 either way up to ties at the last bits: a tree's rows and one-token decodes already differ there
@@ -48,7 +50,8 @@ TUNE_ROWS = (1, 2, 3, 5, 9, 17)  # decode, small trees, the default 8-node tree 
 TUNE_ROWS_LARGE = (1, 5, 17)  # for a weight over LARGE_BYTES (a 150k-vocabulary head: ~1 GB, 0.1 s a call)
 LARGE_BYTES = 256 << 20
 PAGE_FLOATS = 1024  # 4 KB
-TABLE_VERSION = 2  # part of the key: a change to how shapes are timed retimes them
+TABLE_VERSION = 3  # part of the key: a change to how shapes are timed retimes them
+RUNS = 4  # alternating runs of each path per row count (`time_shape`)
 MARGIN = 0.05  # torch must be this much faster over TUNE_ROWS to give up the kernel's batch invariance
 MIN_SAVING_US = 2.0  # ... and save this much per call: below it, the difference is call overhead and noise
 REP_BUDGET_S = 0.03  # timing budget per (shape, rows, path): 3 repetitions for a 1 GB head, 9 for small ones
@@ -167,7 +170,10 @@ def _timed(fn: Linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
 def time_shape(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], kernel: Linear,
                rows: tuple[int, ...] = TUNE_ROWS) -> dict:
-    """Median microseconds per call of `kernel` and `F.linear` at each row count, interleaved."""
+    """Median microseconds per call of `kernel` and `F.linear` at each row count, in alternating
+    runs of calls of one path (call by call alternation would time each path while the other's
+    threads still spin from the call before: libgomp's workers keep a core busy after a GEMM and
+    make the next kernel call look up to 2x slower than it runs among its own kind)."""
     delays = {p: d * 1e-6 for p, d in _delays_us().items()}
     k = pairs[0][0].shape[1]
     g = torch.Generator().manual_seed(0)
@@ -178,16 +184,16 @@ def time_shape(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], kernel: Li
         x = torch.randn(m, k, generator=g)  # [m, K]
         kernel(x, small_w, small_b), F.linear(x, small_w, small_b)  # first calls: code paths, buffers
         times: dict[str, list[float]] = {"kernel": [], "torch": []}
-        reps = 3
-        r = 0
-        while r < reps:
+        reps = 3  # calls per run
+        for r in range(RUNS):
             for path in ("kernel", "torch") if r % 2 == 0 else ("torch", "kernel"):
-                w, b = pairs[i % len(pairs)]
-                i += 1  # the next call reads another weight of this shape, as a forward would
-                times[path].append(_timed(kernel if path == "kernel" else F.linear, x, w, b, delays[path]))
+                fn = kernel if path == "kernel" else F.linear
+                for _ in range(reps):
+                    w, b = pairs[i % len(pairs)]
+                    i += 1  # the next call reads another weight of this shape, as a forward would
+                    times[path].append(_timed(fn, x, w, b, delays[path]))
             if r == 0:
                 reps = max(3, min(9, int(REP_BUDGET_S / max(times["kernel"][0], times["torch"][0]))))
-            r += 1
         out["kernel_us"][str(m)] = round(statistics.median(times["kernel"]) * 1e6, 1)
         out["torch_us"][str(m)] = round(statistics.median(times["torch"]) * 1e6, 1)
     return out
@@ -198,6 +204,20 @@ def choose(entry: dict) -> str:
     kernel, torch_ = sum(entry["kernel_us"].values()), sum(entry["torch_us"].values())
     saving = (kernel - torch_) / max(1, len(entry["kernel_us"]))
     return "torch" if torch_ < (1 - MARGIN) * kernel and saving >= MIN_SAVING_US else "kernel"
+
+
+def model_choice(entries: dict[str, dict], counts: dict[str, int]) -> str:
+    """'kernel' or 'torch' for a whole model: each shape's mean time per call over the rows timed,
+    times how many weights of that shape the model has (`counts`), summed; torch only when that
+    beats the kernel by more than `MARGIN`. A model that mixes the two runs two thread pools whose
+    waits contend: after each of torch's GEMMs its OpenMP workers keep spinning on the cores the
+    kernel's threads need (Qwen2.5-Coder 1.5B fp32, 2 threads, Intel Xeon: 3.45 tokens/s mixed
+    against 4.04 all kernel and 4.07 all torch)."""
+    def total(path: str) -> float:
+        return sum(counts[s] * statistics.fmean(e[f"{path}_us"].values()) for s, e in entries.items())
+
+    kernel, torch_ = total("kernel"), total("torch")
+    return "torch" if torch_ < (1 - MARGIN) * kernel else "kernel"
 
 
 def per_m_gain(entry: dict) -> float:
@@ -242,12 +262,14 @@ def tune_weights(weights: dict, kernel: Linear, library: Path) -> tuple[dict[str
     return {shape_name(*s): table["shapes"][shape_name(*s)] for s in weights}, path, spent
 
 
-def summary(entries: dict[str, dict], spent: float) -> str:
-    torch_shapes = [s for s, e in entries.items() if e["choice"] == "torch"]
+def summary(entries: dict[str, dict], spent: float, choice: str) -> str:
+    """One line: the model's path, and the shapes whose own timing preferred the other one."""
+    other = [s for s, e in entries.items() if e["choice"] != choice]
     how = f"timed in {spent:.1f} s" if spent else "cached table"
-    tail = f"; torch's GEMM for {', '.join(torch_shapes)}" if torch_shapes else ""
-    return (f"specmesh: small-M kernel for {len(entries) - len(torch_shapes)}/{len(entries)} weight shapes "
-            f"({how}: {cpu_model()}, {torch.get_num_threads()} threads{tail})")
+    path = "small-M kernel" if choice == "kernel" else "torch's GEMM"
+    tail = f"; alone, {', '.join(other)} would take the other path" if other else ""
+    return (f"specmesh: {path} for all {len(entries)} weight shapes, one path per model ({how}: {cpu_model()}, "
+            f"{torch.get_num_threads()} threads{tail})")
 
 
 def report(table: dict, file=sys.stdout) -> None:
