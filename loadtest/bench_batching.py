@@ -17,12 +17,10 @@ Usage: python -m loadtest.bench_batching [--sessions 1,2,4] [--max-tokens 32] [-
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 
 import torch
 
-from loadtest.bench_engine import PROMPTS, base_meta, save
+from loadtest.bench_engine import PROMPTS, base_meta, run_concurrently, save
 
 ALPHA, DEPTH = 0.8, 4
 
@@ -63,13 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter = make_drafter("oracle", str(ALPHA), model, prompts[i] + refs[i], seed=i)
             outs[i] = generate(target, prompts[i], greedy, stop, drafter=drafter, spec=spec).token_ids
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
+        seconds = run_concurrently(n, one)
         return seconds, sum(len(o) for o in outs), all(o == refs[i] for i, o in enumerate(outs))
 
     rows: dict[tuple[int, str], dict] = {}

@@ -110,6 +110,20 @@ def print_saved(path: str | None, format_table) -> bool:
     return True
 
 
+def run_concurrently(n: int, fn) -> float:
+    """fn(0) .. fn(n - 1), each in a thread of its own (as a server runs sessions), all started
+    together; the wall seconds until the last one ends."""
+    import threading
+
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def save(path: str, meta: dict, results: list[dict], table: str) -> None:
     """The JSON result file, then the README-ready table on stdout."""
     with open(path, "w") as f:

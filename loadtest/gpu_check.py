@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from loadtest.bench_engine import _commit
+from loadtest.bench_engine import _commit, run_concurrently
 from loadtest.bench_services import (DEPTH, Config, format_table, reference_cases, run_all, run_remote, summarise,
                                      write_reference)
 from specmesh.launch import start
@@ -264,8 +264,6 @@ def concurrent_row(where: str, n: int, cases: list, addresses: dict[str, str], m
     """Throughput of `n` sessions at once on verifier `where`, each a thread with one Generate of
     case i % len(cases) (oracle 0.8, cost-free, chains of DEPTH, pipelining off): all sessions'
     tokens over the wall time, and whether every output is its case's reference."""
-    import threading
-
     rows = [Config(f"{where} x{n}", where, "o8c", False, 0.8, fixed=True) for _ in range(n)]
     errors: list[str] = []
 
@@ -277,13 +275,7 @@ def concurrent_row(where: str, n: int, cases: list, addresses: dict[str, str], m
             rows[i].identical = False
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - t0
+    seconds = run_concurrently(n, one)
     tokens = sum(c.tokens for c in rows)
     return {"verifier": where, "sessions": n, "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 2), "identical_to_target": all(c.identical for c in rows),
