@@ -18,8 +18,8 @@ other attributes read through), as `BatchingTarget` and `device.OnDevice` do:
   back. A context beyond `limit` is refused (ValueError naming `context`), never grown into.
 - **Row buckets**: a forward's rows run in chunks of at most the largest bucket, each chunk at the
   smallest bucket that holds it (default: one bucket of 16 rows). The padding rows write their K/V
-  into slots past every region (one per row, never read by a real row) and attend to one slot of
-  the session's region; their outputs are dropped. A chunk's rows see the K/V of the chunks
+  into slots past every region (one per row, never read by a real row) and attend to the pool's
+  first slot; their outputs are dropped. A chunk's rows see the K/V of the chunks
   before it (already written), so a prefill or a tree longer than a bucket runs as several steps
   (a row may see only rows before it: causal and tree masks).
 - **One attention path**: each row attends over `limit` keys gathered from the pool by slot
@@ -85,6 +85,7 @@ class StaticCache(KVCache):
         self.k = owner.k[:, :, self.base:self.base + owner.limit]
         self.v = owner.v[:, :, self.base:self.base + owner.limit]
         self.length = 0
+        self.closed = False
         self._release = weakref.finalize(self, owner._give_back, region)
 
     def ensure_capacity(self, needed: int) -> None:
@@ -93,7 +94,9 @@ class StaticCache(KVCache):
                              f"per session")
 
     def close(self) -> None:
+        """Give the region back now (another session may get it: this cache refuses further use)."""
         self.length = 0
+        self.closed = True
         self._release()  # once: a finalizer runs at most one time
 
 
@@ -207,8 +210,8 @@ class StaticSteps:
     def _check(self, s: Segment) -> torch.Tensor:
         """Refuse what this step cannot run (ValueError naming the field); the segment's mask on the CPU."""
         t = s.tokens.shape[0]
-        if not isinstance(s.cache, StaticCache) or s.cache.owner is not self:
-            raise ValueError("cache: not a region of this model's static KV pool (use its new_cache)")
+        if not isinstance(s.cache, StaticCache) or s.cache.owner is not self or s.cache.closed:
+            raise ValueError("cache: not an open region of this model's static KV pool (use its new_cache)")
         if t < 1 or s.positions.shape != s.tokens.shape:
             raise ValueError(f"tokens: expected [T] tokens and [T] positions, T >= 1, got {tuple(s.tokens.shape)} "
                              f"and {tuple(s.positions.shape)}")

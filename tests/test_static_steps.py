@@ -132,6 +132,8 @@ def test_regions_are_fixed_reused_and_isolated():
     b.close()
     c = st.new_cache()
     assert c.region == b.region
+    with pytest.raises(ValueError, match="cache: not an open region"):  # b's region is c's now
+        st(torch.arange(3), torch.arange(3), b, 0)
     del a
     gc.collect()
     d = st.new_cache()  # a's region, given back when it was collected
