@@ -51,7 +51,7 @@ def load_target(cfg: VerifierConfig, path: str, device: torch.device, dtype):
         if batched:
             from specmesh.batching import BatchingTarget
 
-            model = BatchingTarget(model, max_rows=cfg.static_buckets[-1]) if static else BatchingTarget(model)
+            model = BatchingTarget(model, max_rows=max(cfg.static_buckets)) if static else BatchingTarget(model)
         return model, batched
 
     grouped = cfg.tp > 1 or device.type == "cuda"  # a TPModel: several ranks, or the one-rank NCCL group
