@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
 
     model = place(load_model(work / "target", dtype), device)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())  # a tied head counted once
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     bandwidth = args.bandwidth_gbs or next((bw for key, bw in BANDWIDTH_GBS.items() if key in name), None)
     g = torch.Generator().manual_seed(0)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "note": "chains (budget = depth = 4); EOS ignored; random prompts; ratios from one run, interleaved per "
                     "prompt; o8 = oracle 0.8 with draft cost"}
     for r in concurrent:
-        one = next(c for c in concurrent if c["verifier"] == r["verifier"] and c["sessions"] == levels[0])
+        one = next(c for c in concurrent if c["verifier"] == r["verifier"] and c["sessions"] == min(levels))
         r["vs_fewest_sessions"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results, "concurrent": concurrent, "peer": peer}, f, indent=1)
