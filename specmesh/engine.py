@@ -372,7 +372,8 @@ def target_steps(model: Transformer) -> list:
 
     if not isinstance(model, torch.nn.Module):
         return measure_steps(model)
-    return kept_costs("steps", {"target": kernels.layout_key(model), "rows": list(STEP_ROWS)},
+    return kept_costs("steps", {"target": kernels.layout_key(model), "rows": list(STEP_ROWS),
+                                "timed": "in runs"},
                       lambda: {"steps": measure_steps(model)})["steps"]
 
 
@@ -488,10 +489,14 @@ STEP_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17)
 
 
 def measure_steps(model: Transformer, rows: tuple[int, ...] = STEP_ROWS, rounds: int = 2,
-                  context: int = 32) -> list[tuple[int, float]]:
+                  context: int = 32, settle: int = 2) -> list[tuple[int, float]]:
     """The target's step (`TargetSession.step`: forward, verification, commit, what `run_turn`
     times as verify_s) by rows, on a chain of rows - 1 nodes after `context` tokens: (rows,
-    fastest of `rounds` in seconds: noise only adds) per row count, after one untimed step. A
+    fastest of `rounds` in seconds: noise only adds) per row count. Each row count is timed in a
+    run of its own steps after `settle` untimed ones, as a plan runs them (a plain run is one-row
+    steps back to back, speculation steps of a few rows): on a CPU the first step after a change
+    of rows can cost far more than the ones after it (caches hold the last shape's weights and
+    buffers), and timing row counts in turn priced every step at that first-step cost. A
     drafter's planner takes its verification cost's shape from these points (the verifier
     measures them at its start)."""
     params = SamplingParams()
@@ -508,11 +513,11 @@ def measure_steps(model: Transformer, rows: tuple[int, ...] = STEP_ROWS, rounds:
             target.rollback(context)
             return seconds
 
-        step(max(rows))
-        times: dict[int, list[float]] = {r: [] for r in rows}
-        for _ in range(rounds):
-            for r in rows:
-                times[r].append(step(r))
+        times: dict[int, list[float]] = {}
+        for r in rows:
+            for _ in range(settle):
+                step(r)
+            times[r] = [step(r) for _ in range(rounds)]
         return [(r, min(ts)) for r, ts in times.items()]
     finally:
         target.close()

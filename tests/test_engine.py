@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 import sys
 
 import pytest
@@ -357,3 +358,27 @@ def test_rollback_to_a_prefix_continues_as_a_session_started_there() -> None:
         a, b = (t.step(DraftTree.empty(), params, make_generator(params))[1] for t in (held, fresh))
         assert a == b
     assert torch.equal(held.features, fresh.features)
+
+
+def test_measure_steps_prices_a_row_count_as_a_run_of_its_steps(monkeypatch) -> None:
+    """A plan runs its steps back to back (a plain run: one-row steps; speculation: steps of a few
+    rows). The first step after a change of rows may cost more (caches hold the last shape's
+    weights): measured in turn, every row count was priced at that cost, one row most of all."""
+    import specmesh.engine as engine
+    from specmesh.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    step, last = engine.TargetSession.step, []
+
+    def slow_after_a_change(self, tree, *args, **kwargs):
+        if last and last[-1] != len(tree):
+            time.sleep(0.05)  # the first step of a new shape
+        last.append(len(tree))
+        return step(self, tree, *args, **kwargs)
+
+    monkeypatch.setattr(engine.TargetSession, "step", slow_after_a_change)
+    points = dict(engine.measure_steps(Transformer(cfg, inv_freq).eval(), rows=(1, 2, 3), rounds=2))
+    assert max(points.values()) < 0.04, points
