@@ -15,7 +15,7 @@ import torch
 from specmesh.drafters.base import Drafter, DraftSession
 from specmesh.engine import STEP_ROWS  # the rows a verifier measures: the gauge's until one sent its points
 from specmesh.metrics import Counter, Gauge, Histogram, Registry, start_exporter
-from specmesh.planner import Acceptance, Costs
+from specmesh.planner import PERIOD_KINDS, Acceptance, Costs
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 
@@ -56,9 +56,9 @@ class DrafterMetrics:
         r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
                     lambda: costs.link_s))
         r.add(Gauge(PREFIX + "step_period_ratio",
-                    "Measured step periods over the planner's predictions, for steps with drafting beside the "
-                    "verification (overlapped) and without (sequential).",
-                    lambda: {(kind,): costs.period_ratio(kind == "overlapped") for kind in ("sequential", "overlapped")},
+                    "Measured step periods over the planner's predictions, by the kind of plan: plain runs, "
+                    "speculative steps, steps with drafting beside the verification (overlapped).",
+                    lambda: {(kind,): costs.period_ratio(kind) for kind in PERIOD_KINDS},
                     ("kind",)))
         r.add(Gauge(PREFIX + "acceptance", "Recent sessions' acceptance given the parent accepted and elder siblings not.",
                     lambda: {(str(d + 1), str(k)): recent.rate(d + 1, k) for d in range(len(recent.tried))

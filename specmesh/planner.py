@@ -28,9 +28,12 @@ a run), maximising expected tokens per second:
   tree is ready at max(V, P); on a miss the drafter drafts afresh after that: max(V, P) + D.
 - no speculation: V(1 row) per token, plus feeding that token to the drafter before its next tree,
   or (pipelined) feeding it beside the verifier's steps.
-Pipelined steps are then scaled by `Costs.overlap_factor`: how much further measured step periods
-ran from their predictions with work overlapped than without. What the cost terms cannot see
-(two processes whose threads contend for the same cores) so turns pipelining off by measurement.
+Each plan's step is then scaled by `Costs.period_ratio` of its kind (PERIOD_KINDS: plain runs,
+speculative steps, steps with drafter work overlapped): how far that kind's measured step periods
+ran from their predictions. What the cost terms cannot see shows there: two processes whose threads
+contend for the same cores (pipelining turns off by measurement), the first step after a change of
+shape paying for the caches (a tree among plain runs costs more than the verifier's table of steady
+runs says), the link's own variance. Plain runs and trees are each judged by what they measured.
 An overlapped plan must beat the best sequential one by OVERLAP_MARGIN: "pipelining never slower
 than not" is worth more than a predicted near-tie. This module knows nothing of sessions, transport or models.
 """
@@ -58,6 +61,7 @@ CROSS_FORGET = 0.995  # ... and this much less with every later one of the other
 # its prediction stacks more estimates (hit odds, the overlapped verification, the overlap
 # factor), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
 OVERLAP_MARGIN = 0.05
+PLAIN, SPECULATIVE, OVERLAPPED = PERIOD_KINDS = ("plain", "speculative", "overlapped")
 
 
 class LinearCost:
@@ -235,9 +239,9 @@ class Costs:
     verify_overlapped: LinearCost = field(default_factory=lambda: RowCost((0.02, 0.002)))
     link_s: float = 0.002
     verify_points: tuple[tuple[int, float], ...] = ()  # the verifier's calibration, as last taken
-    # per kind [sequential, overlapped] (`add_period`): decayed sums [measured period, the plans'
-    # predicted period, steps counted]
-    _periods: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    # per kind of PERIOD_KINDS (`add_period`): decayed sums [measured period, the plans' predicted
+    # period, steps counted]
+    _periods: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0, 0.0, 0.0] for k in PERIOD_KINDS})
 
     def set_verify_cost(self, points) -> None:
         """The verifier's own steps measured at its start, (rows, seconds): the shape of both
@@ -266,38 +270,32 @@ class Costs:
         that, a plan's step time is the priors' guess, and its error says nothing."""
         return bool(self.verify_points or self.verify.samples or self.verify_overlapped.samples)
 
-    def add_period(self, overlapped: bool, predicted: float, measured: float) -> None:
+    def add_period(self, kind: str, predicted: float, measured: float) -> None:
         """One step's period as the drafter saw it (from the commit before to this step's commit),
-        against the `Plan.step_s` the plan that chose the step predicted; `overlapped`: that plan
-        put work beside the verification (predrafts, or a plain run's tokens fed beside it)."""
+        against what the plan that chose the step predicted before any measured ratio
+        (`Plan.predicted_s`); `kind`: the plan's (`Plan.kind`, one of PERIOD_KINDS)."""
         if not (predicted > 0 and measured > 0 and math.isfinite(measured)):
             return
-        # evidence ages mostly with steps of its own kind: steps planned the other way (while
-        # that kind loses, or in sessions that never pipeline) keep it, so a verdict holds
-        # across sessions and is revisited only slowly
-        for i, kind in enumerate(self._periods):
-            kind[:] = [(PERIOD_FORGET if i == int(overlapped) else CROSS_FORGET) * x for x in kind]
-        kind = self._periods[int(overlapped)]
-        kind[0] += measured
-        kind[1] += predicted
-        kind[2] += 1.0
+        # evidence ages mostly with steps of its own kind: steps planned another way (while that
+        # kind loses, or in sessions that never pipeline) keep it, so a verdict holds across
+        # sessions and is revisited only slowly (a plain run's probes keep trees measured)
+        for k, sums in self._periods.items():
+            sums[:] = [(PERIOD_FORGET if k == kind else CROSS_FORGET) * x for x in sums]
+        sums = self._periods[kind]
+        sums[0] += measured
+        sums[1] += predicted
+        sums[2] += 1.0
 
-    def period_ratio(self, overlapped: bool) -> float:
+    def period_ratio(self, kind: str) -> float:
         """Measured over predicted step period, for plans of that kind: the ratio of the decayed
         sums (a hit step's short period and a miss's long one average out, as the plan's expected
-        step does), shrunk towards 1 by PERIOD_PRIOR steps."""
-        measured, predicted, n = self._periods[int(overlapped)]
+        step does), shrunk towards 1 by PERIOD_PRIOR steps. A plan's predicted step is multiplied
+        by its kind's ratio; its period is measured against the step before that
+        (`Plan.predicted_s`), so the ratio is the prediction's own error."""
+        measured, predicted, n = self._periods[kind]
         if predicted <= 0:
             return 1.0
         return (n * measured / predicted + PERIOD_PRIOR) / (n + PERIOD_PRIOR)
-
-    def overlap_factor(self) -> float:
-        """What an overlapped plan's predicted step is multiplied by: how much further its steps
-        measured from their predictions than sequential steps did. The cost model prices what it
-        measures apart (a verification with predrafts beside it, each draft call); what it cannot
-        see, such as two processes whose threads contend for the same cores, shows here, and
-        pipelining is then planned only where its measured steps win."""
-        return self.period_ratio(True) / self.period_ratio(False)
 
     def add_link(self, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds):
@@ -455,6 +453,7 @@ class Plan:
     feed: bool = False  # no speculation: the drafter feeds the committed tokens beside the verifier's steps
     run: int = 0  # no speculation: the one-row steps the plan priced (`plan`'s plain_run)
     informed: bool = True  # planned with verifications measured (`Costs.verify_known`), not from the priors
+    predicted_s: float = 0.0  # step_s before its kind's measured period ratio (what periods are measured against)
 
     @property
     def overlapped(self) -> bool:
@@ -462,8 +461,18 @@ class Plan:
         return bool(self.outcomes) or self.feed
 
     @property
+    def kind(self) -> str:
+        """Which of PERIOD_KINDS its steps are measured as."""
+        return OVERLAPPED if self.overlapped else PLAIN if self.budget == 0 else SPECULATIVE
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
+
+
+def _measured(costs: "Costs", p: Plan) -> Plan:
+    """`p` with its predicted step scaled by its kind's measured period ratio."""
+    return replace(p, step_s=p.step_s * costs.period_ratio(p.kind), predicted_s=p.step_s)
 
 
 def shapes(budget_cap: int, depth_cap: int) -> list[tuple[int, int]]:
@@ -511,15 +520,14 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     calibration = acc.bonus_calibration
     best: Plan | None = None  # the best plan that overlaps nothing ...
     ahead: Plan | None = None  # ... and the best that puts drafter work beside the verification
-    overlap = costs.overlap_factor() if pipelined else 1.0
     if not (fixed or speculate):
         # the drafter feeds each committed token once anyway: later, before the next tree, or
         # (pipelined) beside the verifier's steps, at the measured price of overlapping
         step = costs.verify_s(1, False) + costs.link_s / max(1, plain_run)
         run = max(1, plain_run)
-        best = Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0), run=run)
+        best = _measured(costs, Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0), run=run))
         if pipelined:
-            ahead = Plan(0, 0, (), 0, 1.0, step * overlap, feed=True, run=run)
+            ahead = _measured(costs, Plan(0, 0, (), 0, 1.0, step, feed=True, run=run))
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
@@ -542,9 +550,9 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     # draft_many call, or one call each
                     pre = sharing * (costs.many(levels, m * rows, held) if batched and m > 1
                                      else m * costs.draft(levels, rows, held / m, 1.0))
-                    step = (max(v, pre) + (1.0 - hit) * fresh) * overlap
+                    step = max(v, pre) + (1.0 - hit) * fresh
                     options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
-        for p in options:
+        for p in (_measured(costs, o) for o in options):
             if p.overlapped:
                 if ahead is None or p.tokens_per_s > ahead.tokens_per_s:
                     ahead = p

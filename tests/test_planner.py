@@ -9,6 +9,9 @@ import pytest
 from specmesh.planner import (
     MAX_OUTCOMES,
     OVERLAP_MARGIN,
+    OVERLAPPED,
+    PLAIN,
+    SPECULATIVE,
     Acceptance,
     Costs,
     LinearCost,
@@ -336,9 +339,9 @@ def test_overlapped_steps_measured_slower_than_predicted_turn_pipelining_off() -
     costs = _costs(0.01, 0.002, 0.05, fed_s=0.001)
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes
     for _ in range(10):
-        costs.add_period(True, 0.1, 0.15)
-        costs.add_period(False, 0.1, 0.1)
-    assert costs.overlap_factor() == pytest.approx(1.5, rel=0.1)
+        costs.add_period(OVERLAPPED, 0.1, 0.15)
+        costs.add_period(SPECULATIVE, 0.1, 0.1)
+    assert costs.period_ratio(OVERLAPPED) == pytest.approx(1.5, rel=0.1)
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes == ()
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True, fixed=True).outcomes == ()
     slow = _costs(0.2, 0.01, 0.06, 0.03, link_s=0.02, fed_s=0.01)  # no tree pays: a plain run
@@ -348,11 +351,11 @@ def test_overlapped_steps_measured_slower_than_predicted_turn_pipelining_off() -
     assert plain.tokens_per_s == pytest.approx(1 / 0.105)  # V + link / 4 + the token fed later
     assert not plan(costs, acc, 8, 4, pipelined=False, batched=True).overlapped  # sequential: no factor
     for _ in range(100):
-        costs.add_period(False, 0.1, 0.1)
+        costs.add_period(SPECULATIVE, 0.1, 0.1)
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes == ()
     for _ in range(1000):
-        costs.add_period(False, 0.1, 0.1)
-    assert costs.overlap_factor() < 1.01
+        costs.add_period(SPECULATIVE, 0.1, 0.1)
+    assert costs.period_ratio(OVERLAPPED) < 1.01
     assert plan(costs, acc, 8, 4, pipelined=True, batched=True).outcomes
 
 
@@ -371,10 +374,10 @@ def test_period_ratio_averages_hits_and_misses_as_the_plan_does() -> None:
     of per-step ratios, which would call them fast)."""
     costs = Costs()
     for _ in range(50):
-        costs.add_period(True, 0.2, 0.1)
-        costs.add_period(True, 0.2, 0.3)
-    assert costs.period_ratio(True) == pytest.approx(1.0, abs=0.01)
-    assert costs.period_ratio(False) == 1.0
+        costs.add_period(OVERLAPPED, 0.2, 0.1)
+        costs.add_period(OVERLAPPED, 0.2, 0.3)
+    assert costs.period_ratio(OVERLAPPED) == pytest.approx(1.0, abs=0.01)
+    assert costs.period_ratio(SPECULATIVE) == costs.period_ratio(PLAIN) == 1.0
 
 
 def test_no_speculation_when_it_is_predicted_slower() -> None:
@@ -441,3 +444,27 @@ def test_drafting_for_several_sessions_in_turn_makes_trees_pay_less() -> None:
     assert shared.budget == 0
     some = plan(costs, acc, 8, 4, pipelined=False, batched=False, sharing=2.0)
     assert some.budget == 0 or some.budget <= alone.budget  # never a bigger tree for more sessions
+
+
+def test_plain_runs_and_trees_are_each_judged_by_their_measured_periods() -> None:
+    """The SmolLM2 pair through the services: the cost terms priced a small tree a little faster
+    per token than one-row steps, while trees measured slower than planned (the first step after
+    a change of rows pays for the caches, the link varies) and plain runs faster. Each kind's
+    measured ratio scales its own plans, and is measured against the plan's step before that
+    ratio: a ratio applied and then measured against would converge to its square root."""
+    acc = _acceptance(0.5, side=0.1)
+    costs = _costs(0.0012, 0.0001, 0.006, 0.001, link_s=0.0012, fed_s=0.0001)
+    tree = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=8)
+    assert tree.budget >= 1 and tree.kind == SPECULATIVE
+    for _ in range(30):
+        p = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=8, speculate=True)
+        assert p.predicted_s == pytest.approx(p.step_s / costs.period_ratio(SPECULATIVE))
+        costs.add_period(p.kind, p.predicted_s, 1.25 * p.predicted_s)
+    assert costs.period_ratio(SPECULATIVE) == pytest.approx(1.25, rel=0.05)
+    plain = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=8)
+    assert (plain.budget, plain.kind) == (0, PLAIN)
+    for _ in range(30):
+        costs.add_period(PLAIN, plain.predicted_s, 0.9 * plain.predicted_s)
+    assert costs.period_ratio(PLAIN) == pytest.approx(0.9, rel=0.05)
+    again = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=8)
+    assert again.budget == 0 and again.step_s == pytest.approx(again.predicted_s * costs.period_ratio(PLAIN))

@@ -23,7 +23,7 @@ from specmesh.drafters.predraft import (
     trim_nodes,
     useful_depth,
 )
-from specmesh.planner import MAX_OUTCOMES, Acceptance, Costs, LinearCost
+from specmesh.planner import MAX_OUTCOMES, OVERLAPPED, SPECULATIVE, Acceptance, Costs, LinearCost
 from specmesh.sampling import SamplingParams, make_generator, sample_token, verify_sampling
 from specmesh.tree import ROOT, DraftTree, children_of, depths, validate_tree
 
@@ -316,7 +316,7 @@ def test_steps_slower_than_planned_beside_predrafts_turn_them_off() -> None:
         st = ahead.commit(step, h, 99, 4, 4, arrived_at=arrived, verify_s=0.2)
     # not measured: the first step's period (from the open), and the second's, planned from the
     # priors (no verification was measured yet); the third's was
-    assert ahead.costs.period_ratio(True) > 5 and ahead.costs.period_ratio(False) == 1.0
+    assert ahead.costs.period_ratio(OVERLAPPED) > 5 and ahead.costs.period_ratio(SPECULATIVE) == 1.0
     assert ahead.plan.outcomes == () and not ahead.wants_predraft
 
 

@@ -156,9 +156,9 @@ def test_drafter_exports_what_its_planner_weighs():
     assert verified[9] / verified[1] == pytest.approx(points[9] / points[1])
     assert verified[5] / verified[3] == pytest.approx(points[5] / points[3])
     assert verified[1] > points[1] and costs.verify(1.0, rows) < 0.25
-    assert s[p + 'step_period_ratio{kind="sequential"}'] == pytest.approx(costs.period_ratio(False))
-    assert costs.period_ratio(False) > 2
-    assert s[p + 'step_period_ratio{kind="overlapped"}'] == 1.0
+    assert s[p + 'step_period_ratio{kind="speculative"}'] == pytest.approx(costs.period_ratio("speculative"))
+    assert costs.period_ratio("speculative") > 2
+    assert s[p + 'step_period_ratio{kind="overlapped"}'] == s[p + 'step_period_ratio{kind="plain"}'] == 1.0
     assert s[p + 'acceptance{depth="1",rank="0"}'] == pytest.approx(recent.rate(1, 0))
     assert s[p + 'acceptance{depth="2",rank="0"}'] == pytest.approx(recent.rate(2, 0))
 

@@ -363,7 +363,7 @@ class DraftAhead:
         commit before to `arrived`: against what the plan that chose it predicted."""
         p, began, self._period_from = self._sent_plan, self._period_from, arrived
         if p is not None and p.informed and began is not None:
-            self.costs.add_period(p.overlapped, steps * p.step_s, arrived - began)
+            self.costs.add_period(p.kind, steps * p.predicted_s, arrived - began)
 
     def _observe_bonus(self, accepted: list[int], pred: "Predraft", hit: bool) -> None:
         """The outcome of a predraft came: was the bonus among its candidates, against what the
