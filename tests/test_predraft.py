@@ -742,8 +742,10 @@ def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined:
     a second), with evidence that half the drafted tokens are accepted: the drafter sends an empty
     tree that asks for a run of PROBE_EVERY one-row steps, whose tokens come back in one
     extension; then one tree (the acceptance is only learnt from verified trees), then a run
-    again. Pipelined, the drafter feeds the committed tokens while the verifier steps (nothing is
-    left for the probe to catch up on); sequential, the probe's draft feeds them."""
+    again, twice as long (the probe did not make trees win), up to MAX_PROBE_EVERY. A tree
+    planned on its merits sets the gap back. Pipelined, the drafter feeds the committed tokens
+    while the verifier steps (nothing is left for the probe to catch up on); sequential, the
+    probe's draft feeds them."""
     from specmesh.drafters.model import ModelDrafter
 
     costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
@@ -762,9 +764,24 @@ def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined:
     assert probe.step == st.step + 1 and probe.tree.tokens and probe.plain == 0
     assert ahead.session.behind == 0  # the probe fed what was left
     again = ahead.commit(probe.step, [], 7, 8, 4)
-    assert not again.tree.tokens and again.plain == predraft.PROBE_EVERY
+    assert not again.tree.tokens and again.plain == 2 * predraft.PROBE_EVERY
     # a verifier that commits the empty tree's step alone instead: a probe follows at once
-    assert ahead.commit(again.step, [], 7, 8, 4).tree.tokens
+    probe = ahead.commit(again.step, [], 7, 8, 4)
+    assert probe.tree.tokens
+    runs = []
+    for _ in range(4):
+        run = ahead.commit(probe.step, [], 7, 8, 4)
+        runs.append(run.plain)
+        probe = ahead.extend([7] * run.plain, 8, 4, same_turn=True)
+        assert probe.tree.tokens
+    assert runs == [4 * predraft.PROBE_EVERY, predraft.MAX_PROBE_EVERY, predraft.MAX_PROBE_EVERY,
+                    predraft.MAX_PROBE_EVERY]
+    # drafting turns cheap and drafted tokens are accepted: trees win on their merits
+    costs.draft = LinearCost((1e-4, 0.0, 0.0, 0.0))
+    ahead.acceptance.accepted[0][0] = ahead.acceptance.tried[0][0]
+    assert ahead.commit(probe.step, [], 7, 8, 4).tree.tokens
+    costs.draft = LinearCost((1.0, 0.1, 0.01, 0.0))  # and costly again
+    assert ahead.commit(probe.step + 1, [], 7, 8, 4).plain == predraft.PROBE_EVERY
     # a fixed shape always gets its tree
     fixed = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
                        recent=recent, fixed=True)

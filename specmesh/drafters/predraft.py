@@ -70,6 +70,7 @@ PRIOR_OBSERVATIONS = 8.0
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
 PROBE_EVERY = 8  # plain steps in a row after which one tree is drafted anyway ...
 MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
+MAX_PROBE_EVERY = 64  # each probe after which plain steps still win doubles the gap, up to this
 
 
 def draft_generator(params: SamplingParams) -> torch.Generator:
@@ -158,6 +159,9 @@ class DraftAhead:
         self._sent_plan: Plan | None = None  # the plan that chose the tree last sent
         self._period_from: float | None = None  # when the step of the tree last sent began (None: the first)
         self._plain_steps = 0  # empty trees sent in a row
+        self._probe_gap = PROBE_EVERY  # plain steps between probes now (`_probe_every`)
+        self._probe: Plan | None = None  # the last plan made as a probe
+        self._probed = False  # the tree last sent was a probe's
         self._prompt_fed = False  # whether the session has fed the turn's context (the prompt) yet
 
     def first(self, budget: int, depth: int) -> StepTree:
@@ -391,17 +395,24 @@ class DraftAhead:
         # speculation is judged by comes only from verified trees
         sharing = self._sharing()
         probe = self._plain_steps >= self._probe_every(sharing) or sum(self.acceptance.tried[0]) < MIN_TRIALS
-        return planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
-                            speculate=probe, plain_run=self._plain_run(sharing), sharing=sharing)
+        p = planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
+                         speculate=probe, plain_run=self._plain_run(sharing), sharing=sharing)
+        if probe:
+            self._probe = p
+        return p
 
     def _sharing(self) -> float:
         return max(1.0, float(self.sharing())) if self.sharing is not None else 1.0
 
-    @staticmethod
-    def _probe_every(sharing: float) -> int:
-        """Plain steps between probes: PROBE_EVERY per session the drafter serves at once (a probe's
-        drafting delays every one of them)."""
-        return PROBE_EVERY * int(sharing)
+    def _probe_every(self, sharing: float) -> int:
+        """Plain steps between probes: the session's gap per session the drafter serves at once (a
+        probe's drafting delays every one of them). The gap starts at PROBE_EVERY and doubles, up to
+        MAX_PROBE_EVERY, each time plain steps are planned right after a probe (its evidence did not
+        make trees win); a tree planned on its merits sets it back. A probe is not free: on a CPU a
+        tree among plain runs costs its rows, its drafting, the link, and the first plain steps
+        after it run slower while the caches refill (one probe per 8 steps cost the SmolLM2 pair
+        about 15% against plain decoding)."""
+        return self._probe_gap * int(sharing)
 
     def _plain_run(self, sharing: float | None = None) -> int:
         """One-row steps a tree left out now stands for: the rest of the run up to the next probe."""
@@ -438,6 +449,12 @@ class DraftAhead:
               plain: int = 0) -> StepTree:
         self.step += 1
         self.steps += 1
+        if tree.tokens and plan is not None and plan is not self._probe:
+            self._probe_gap = PROBE_EVERY  # trees win again
+        elif not tree.tokens and self._probed:  # plain steps right after a probe: probe less often
+            self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_EVERY)
+            plain = self._plain_run()
+        self._probed = bool(tree.tokens) and plan is not None and plan is self._probe
         self._plain_steps = 0 if tree.tokens else self._plain_steps + max(1, plain)
         self._tree = tree
         self._path = [tree.tokens[i] for i in main_path(tree)]
