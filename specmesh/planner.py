@@ -56,10 +56,10 @@ PRIOR_ACCEPT = (0.5, 0.15)  # prior acceptance of rank 0 and of later ranks, bef
 PRIOR_WEIGHT = 2.0  # observations the prior is worth
 PERIOD_PRIOR = 2.0  # steps that "the prediction was right" is worth in `Costs.period_ratio`
 PERIOD_FORGET = 0.97  # each measured step period weighs this much less with every later one of its kind ...
-CROSS_FORGET = 0.995  # ... and this much less with every later one of the other kind
+CROSS_FORGET = 0.995  # ... and this much less with every later one of another kind
 # an overlapped plan is taken only when predicted this much faster than the best sequential one:
-# its prediction stacks more estimates (hit odds, the overlapped verification, the overlap
-# factor), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
+# its prediction stacks more estimates (hit odds, the overlapped verification, its kind's period
+# ratio), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
 OVERLAP_MARGIN = 0.05
 PLAIN, SPECULATIVE, OVERLAPPED = PERIOD_KINDS = ("plain", "speculative", "overlapped")
 
