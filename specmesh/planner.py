@@ -463,16 +463,23 @@ class Plan:
     @property
     def kind(self) -> str:
         """Which of PERIOD_KINDS its steps are measured as."""
-        return OVERLAPPED if self.overlapped else PLAIN if self.budget == 0 else SPECULATIVE
+        return _kind(self.budget, self.outcomes, self.feed)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
 
 
-def _measured(costs: "Costs", p: Plan) -> Plan:
-    """`p` with its predicted step scaled by its kind's measured period ratio."""
-    return replace(p, step_s=p.step_s * costs.period_ratio(p.kind), predicted_s=p.step_s)
+def _kind(budget: int, outcomes: tuple[int, ...], feed: bool) -> str:
+    return OVERLAPPED if outcomes or feed else PLAIN if budget == 0 else SPECULATIVE
+
+
+def _priced(ratios: dict[str, float], predicted: float, budget: int, depth: int, outcomes: tuple[int, ...] = (),
+            feed: bool = False, **rest) -> Plan:
+    """A plan whose step is its `predicted` step times its kind's measured period ratio (`ratios`:
+    `Costs.period_ratio` of each kind, taken once per `plan`)."""
+    return Plan(budget, depth, outcomes, step_s=predicted * ratios[_kind(budget, outcomes, feed)],
+                predicted_s=predicted, feed=feed, **rest)
 
 
 def shapes(budget_cap: int, depth_cap: int) -> list[tuple[int, int]]:
@@ -520,21 +527,22 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     calibration = acc.bonus_calibration
     best: Plan | None = None  # the best plan that overlaps nothing ...
     ahead: Plan | None = None  # ... and the best that puts drafter work beside the verification
+    ratios = {k: costs.period_ratio(k) for k in PERIOD_KINDS}
     if not (fixed or speculate):
         # the drafter feeds each committed token once anyway: later, before the next tree, or
         # (pipelined) beside the verifier's steps, at the measured price of overlapping
         step = costs.verify_s(1, False) + costs.link_s / max(1, plain_run)
         run = max(1, plain_run)
-        best = _measured(costs, Plan(0, 0, (), 0, 1.0, step + costs.draft(0.0, 0.0, 1.0, 0.0), run=run))
+        best = _priced(ratios, step + costs.draft(0.0, 0.0, 1.0, 0.0), 0, 0, run=run)
         if pipelined:
-            ahead = _measured(costs, Plan(0, 0, (), 0, 1.0, step, feed=True, run=run))
+            ahead = _priced(ratios, step, 0, 0, feed=True, run=run)
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
         v = costs.verify_s(1 + len(t.parents), False) + costs.link_s
         # a fresh tree after a miss first feeds what the step committed (e - 1 tokens beyond the bonus)
         fresh = sharing * costs.draft(len(t.per_level), sum(t.per_level), e - 1.0, 1.0)
-        options = [Plan(b, d, (), 0, e, v + fresh)]
+        options = [_priced(ratios, v + fresh, b, d, tokens_per_step=e)]
         if pipelined and t.parents:
             v = costs.verify_s(1 + len(t.parents), True) + costs.link_s
             odds = sorted(outcome_odds(t, table), key=lambda o: -o[1])
@@ -551,8 +559,9 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     pre = sharing * (costs.many(levels, m * rows, held) if batched and m > 1
                                      else m * costs.draft(levels, rows, held / m, 1.0))
                     step = max(v, pre) + (1.0 - hit) * fresh
-                    options.append(Plan(b, d, tuple(chosen), branches, e, step, hit))
-        for p in (_measured(costs, o) for o in options):
+                    options.append(_priced(ratios, step, b, d, tuple(chosen), branches=branches,
+                                           tokens_per_step=e, hit=hit))
+        for p in options:
             if p.overlapped:
                 if ahead is None or p.tokens_per_s > ahead.tokens_per_s:
                     ahead = p
