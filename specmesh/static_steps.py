@@ -85,7 +85,6 @@ class StaticCache(KVCache):
         self.k = owner.k[:, :, self.base:self.base + owner.limit]
         self.v = owner.v[:, :, self.base:self.base + owner.limit]
         self.length = 0
-        self.closed = False
         self._release = weakref.finalize(self, owner._give_back, region)
 
     def ensure_capacity(self, needed: int) -> None:
@@ -93,10 +92,14 @@ class StaticCache(KVCache):
             raise ValueError(f"context: {needed} tokens exceed the static KV region of {self.owner.limit} slots "
                              f"per session")
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` gave the region back (its finalizer has run)."""
+        return not self._release.alive
+
     def close(self) -> None:
         """Give the region back now (another session may get it: this cache refuses further use)."""
         self.length = 0
-        self.closed = True
         self._release()  # once: a finalizer runs at most one time
 
 
