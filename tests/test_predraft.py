@@ -851,3 +851,19 @@ def test_calibration_feeds_committed_tokens_it_never_drafted(tiny_model) -> None
     assert max(CALIBRATION_FED) >= PROBE_EVERY
     assert max(seen) >= max(CALIBRATION_FED) - 1  # the last committed token stays pending
     assert session.context == ctx
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_a_planned_tree_that_comes_out_empty_is_not_a_plain_run(fixed: bool) -> None:
+    """The n-gram drafter finds no candidate after most tokens: the planned tree comes out empty,
+    and the verifier takes one step and asks again. Only a plan for no tree asks for a run of plain
+    steps (a seeded request, whose fixed shapes keep its samples independent of timing and of the
+    drafter's history, must never get one; a probe's empty tree is no evidence against trees)."""
+    ctx = [5, 6, 7, 5, 6]
+    costs = Costs(draft=LinearCost((1e-5, 0.0, 0.0, 0.0)), verify=LinearCost((0.01, 1e-4)))
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=False, costs=costs, fixed=fixed)
+    st = ahead.first(4, 4)
+    assert st.tree.tokens  # 7 follows 5, 6
+    for bonus in range(100, 112):  # tokens never seen: no candidate after them
+        st = ahead.commit(st.step, [], bonus, 4, 4)
+        assert not st.tree.tokens and st.plain == 0

@@ -449,12 +449,15 @@ class DraftAhead:
               plain: int = 0) -> StepTree:
         self.step += 1
         self.steps += 1
-        if tree.tokens and plan is not None and plan is not self._probe:
+        # by what was planned, not what the drafter found: a planned tree may come out empty (no
+        # n-gram match), and that is neither a plain run nor evidence against trees
+        planned_tree = plan is not None and plan.budget > 0
+        if planned_tree and plan is not self._probe:
             self._probe_gap = PROBE_EVERY  # trees win again
-        elif not tree.tokens and self._probed:  # plain steps right after a probe: probe less often
+        elif plan is not None and not planned_tree and self._probed:  # plain steps right after a probe
             self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_EVERY)
             plain = self._plain_run()
-        self._probed = bool(tree.tokens) and plan is not None and plan is self._probe
+        self._probed = planned_tree and plan is self._probe
         self._plain_steps = 0 if tree.tokens else self._plain_steps + max(1, plain)
         self._tree = tree
         self._path = [tree.tokens[i] for i in main_path(tree)]
