@@ -26,8 +26,9 @@ a run), maximising expected tokens per second:
   (probability h(S): the outcome is in S and the bonus is one of the predraft's candidates, whose
   odds are the candidates' rank rates times the session's observed/predicted bonus hits) the next
   tree is ready at max(V, P); on a miss the drafter drafts afresh after that: max(V, P) + D.
-- no speculation: V(1 row) per token, plus feeding that token to the drafter before its next tree,
-  or (pipelined) feeding it beside the verifier's steps.
+- no speculation: V(1 row) per token (`Costs.one_row_s`: as plain runs take it), plus feeding
+  that token to the drafter before its next tree, or (pipelined) feeding it beside the verifier's
+  steps.
 Each plan's step is then scaled by `Costs.period_ratio` of its kind (PERIOD_KINDS: plain runs,
 speculative steps, steps with drafter work overlapped): how far that kind's measured step periods
 ran from their predictions. What the cost terms cannot see shows there: two processes whose threads
@@ -184,9 +185,13 @@ class StepTable:
     starting beside it on the same cores once made one row 20% cheaper than it ran, and speculation
     lost to plain steps for whole prompts), and a drafter's live steps rescale its points, not their
     shape. So a row count with at least `MIN_LIVE` recent steps is sent as their median (of the last
-    `WINDOW`); the others as measured at start times the median live/start ratio of those. Only the
-    row counts measured at start are kept; the planner's probes keep visiting the shapes it does not
-    choose, so a wrong point is corrected once tried."""
+    `WINDOW`); a tree's row count (2 or more) not seen live as measured at start times the median
+    live/start ratio of the trees' row counts seen, else of one row's. One row not seen live keeps
+    its start value: one-row steps run back to back in plain runs, as measured at start, while a
+    tree among them pays for the caches (live trees of the SmolLM2 pair ran 1.36x their start
+    points, plain runs 1.0x), so the trees' ratio would price plain runs too high and keep a session
+    speculating at a loss. Only the row counts measured at start are kept; the planner's probes keep
+    visiting the shapes it does not choose, so a wrong point is corrected once tried."""
 
     WINDOW = 16
     MIN_LIVE = 3
@@ -204,8 +209,9 @@ class StepTable:
 
     def points(self) -> list[tuple[int, float]]:
         seen = {r: median(v) for r, v in self.live.items() if len(v) >= self.MIN_LIVE}
-        k = median([seen[r] / self.start[r] for r in seen]) if seen else 1.0
-        return [(r, seen.get(r, s * k)) for r, s in sorted(self.start.items())]
+        trees = [seen[r] / self.start[r] for r in seen if r > 1] or [seen[r] / self.start[r] for r in seen]
+        k = median(trees) if trees else 1.0
+        return [(r, seen.get(r, s * k if r > 1 else s)) for r, s in sorted(self.start.items())]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -258,6 +264,13 @@ class Costs:
         the other until that one has samples)."""
         use_overlapped = self.verify_overlapped.samples and (overlapped or not self.verify.samples)
         return (self.verify_overlapped if use_overlapped else self.verify)(1.0, rows)
+
+    def one_row_s(self) -> float:
+        """A one-row step as a plain run takes it: the verifier's own point (`StepTable`: measured
+        in runs, corrected by its live one-row steps), not rescaled by the trees' verifications
+        that this process measured (a tree among plain steps costs more than a run's step); plain
+        runs' own error is their period ratio. Without the verifier's points, the live fit."""
+        return self.verify.guess((1.0, 1.0)) if self.verify_points else self.verify_s(1, False)
 
     def many(self, levels: float, rows: float, fed: float) -> float:
         """A draft_many call's cost: its own fit once measured, the single-tree fit until then."""
@@ -531,7 +544,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     if not (fixed or speculate):
         # the drafter feeds each committed token once anyway: later, before the next tree, or
         # (pipelined) beside the verifier's steps, at the measured price of overlapping
-        step = costs.verify_s(1, False) + costs.link_s / max(1, plain_run)
+        step = costs.one_row_s() + costs.link_s / max(1, plain_run)
         run = max(1, plain_run)
         best = _priced(ratios, step + costs.draft(0.0, 0.0, 1.0, 0.0), 0, 0, run=run)
         if pipelined:

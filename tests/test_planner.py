@@ -172,6 +172,39 @@ def test_step_table_corrects_a_wrong_start_by_live_steps() -> None:
     assert [r for r, _ in table.points()] == [1, 3, 5, 9]
 
 
+def test_step_table_does_not_price_plain_runs_by_the_trees() -> None:
+    """Trees among plain steps ran 1.36x their start points (the SmolLM2 pair on an Intel Xeon: the
+    caches refill after each change of rows), one-row steps in runs as measured at start: the trees'
+    ratio moves the tree row counts not run yet, not the one-row step, until one-row steps are seen."""
+    table = StepTable([(1, 0.0058), (3, 0.0066), (5, 0.0082), (9, 0.011)])
+    for _ in range(3):
+        table.add(3, 0.0066 * 1.36)
+    points = dict(table.points())
+    assert points[1] == pytest.approx(0.0058)
+    assert points[5] == pytest.approx(0.0082 * 1.36) and points[9] == pytest.approx(0.011 * 1.36)
+    for _ in range(3):
+        table.add(1, 0.0061)
+    points = dict(table.points())
+    assert points[1] == pytest.approx(0.0061) and points[5] == pytest.approx(0.0082 * 1.36)
+
+
+def test_plain_runs_are_priced_by_the_verifiers_one_row_step_not_the_trees() -> None:
+    """The drafter's live verifications (trees) run 1.36x the verifier's points: tree plans are
+    priced by them, the plain run by the verifier's own one-row point. At acceptance 0.6 a tree
+    then loses to plain steps (a two-node tree: 1.96 tokens in about 13.8 ms, against 6.1 ms a
+    token); priced by the trees' scale too, plain steps looked 36% dearer and the session kept
+    drafting at a loss (0.88x of plain decoding, measured)."""
+    costs = Costs(draft=LinearCost((0.0012, 0.0002, 0.00003, 0.0003)), link_s=0.0018)
+    costs.set_verify_cost([(1, 0.0058), (2, 0.0061), (3, 0.0066), (5, 0.0082), (9, 0.011)])
+    for _ in range(30):
+        costs.verify.add((1.0, 3.0), 0.0066 * 1.36)
+    p = plan(costs, _acceptance(0.6, n=40.0), 8, 4, pipelined=False, batched=False, plain_run=8)
+    assert p.budget == 0 and p.step_s == pytest.approx(0.0058 + 0.0018 / 8 + 0.00003)
+    assert costs.verify_s(3, False) == pytest.approx(0.0066 * 1.36, rel=0.01)
+    # where the session's acceptance makes trees pay, trees are still planned
+    assert plan(costs, _acceptance(0.8, n=40.0), 8, 4, pipelined=False, batched=False, plain_run=8).budget == 3
+
+
 def test_step_table_keeps_the_recent_window() -> None:
     table = StepTable([(1, 0.03), (2, 0.04)])
     for _ in range(StepTable.WINDOW):
