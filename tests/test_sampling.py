@@ -227,6 +227,21 @@ def test_sample_token_never_draws_zero_probability() -> None:
     drawn = {sample_token(probs, g) for _ in range(500)}
     assert drawn == {1, 3}
     assert sample_token(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    assert sample_token(torch.tensor([1.0, 0.0, 0.0]), g) == 0
+
+
+def test_sample_token_draws_the_distribution() -> None:
+    """Frequencies of 20000 draws, unnormalised input with zeros at both ends and in between:
+    chi-square against the normalised probabilities (p-value above 1e-3)."""
+    from scipy import stats
+
+    g = torch.Generator().manual_seed(1)
+    weights = torch.tensor([0.0, 2.0, 0.5, 0.0, 1.0, 0.25, 4.0, 0.0], dtype=torch.float64)
+    counts = torch.bincount(torch.tensor([sample_token(weights, g) for _ in range(20000)]), minlength=8)
+    assert counts[weights == 0].sum() == 0
+    keep = weights > 0
+    expected = weights[keep] / weights.sum() * 20000
+    assert stats.chisquare(counts[keep].double().numpy(), expected.numpy()).pvalue > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
