@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -309,28 +310,33 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
 
 
 def verify_sampling(
-    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator
+    tree: DraftTree, probs: torch.Tensor | Callable[[int], torch.Tensor], generator: torch.Generator
 ) -> VerifyResult:
     """Recursive rejection sampling over the tree; the output is distributed as the target.
 
     probs: [N+1, V] target distributions (rows of `target_probs`), row 0 for the root's children,
-    row i+1 for node i's children. Children of a node must be i.i.d. draws from its q.
+    row i+1 for node i's children; or a function from a row index to that row [V], so that only the
+    rows the walk reaches are computed (`verify_tree`). Children of a node must be i.i.d. draws
+    from its q.
     """
-    _check_rows(tree, probs)
-    vocab_size = probs.shape[-1]
-    probs = probs.to(torch.float64)  # [N+1, V]
+    if callable(probs):
+        row = probs
+    else:
+        _check_rows(tree, probs)
+        table = probs.to(torch.float64)  # [N+1, V]
+        row = table.__getitem__
     kids = children_of(tree)
     q_index = {node: j for j, node in enumerate(tree.q_nodes)}
     accepted: list[int] = []
     node = ROOT
     while True:
-        p = probs[node + 1]  # [V]
+        p = row(node + 1).to(torch.float64)  # [V]
         children = kids[node]
         if not children:
             return VerifyResult(accepted=accepted, bonus=sample_token(p, generator))
         assert node in q_index, f"node {node} has children but no q (tree not validated?)"
         j = q_index[node]
-        q = sparse_to_dense(tree.q_ids[j], tree.q_probs[j], vocab_size)  # [V]
+        q = sparse_to_dense(tree.q_ids[j], tree.q_probs[j], p.shape[0])  # [V]
         nxt = None
         for c in children:
             token = tree.tokens[c]
@@ -356,4 +362,8 @@ def verify_tree(
     """Verify a tree against target logits [N+1, V] under `params` (greedy or sampling)."""
     if params.greedy:
         return verify_greedy(tree, logits)
-    return verify_sampling(tree, target_probs(logits, params), generator)
+    _check_rows(tree, logits)
+    # each row's distribution where the walk reaches it (the accepted path and the bonus's row),
+    # not all N + 1: a row is its own computation (`target_probs` works row by row), and at a
+    # 152k vocabulary one float64 row costs 0.5-1 ms
+    return verify_sampling(tree, lambda i: target_probs(logits[i:i + 1], params)[0], generator)
