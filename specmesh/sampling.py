@@ -202,15 +202,16 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     return generator
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: SamplingParams, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Target distribution per row: temperature, then top-k, then top-p, renormalised.
 
-    logits: [T, V]; returns float64 [T, V], rows summing to 1. Not for greedy (temperature 0).
-    Ties at the top-k or top-p cut are all kept, so the result never depends on sort order.
+    logits: [T, V]; returns `dtype` [T, V] (float64: the target's, which verification reproduces),
+    rows summing to 1. Not for greedy (temperature 0). Ties at the top-k or top-p cut are all kept,
+    so the result never depends on sort order.
     """
     assert logits.dim() == 2, f"logits must be [T, V], got {tuple(logits.shape)}"
     assert not params.greedy, "target_probs is for sampling; greedy uses argmax of the logits"
-    x = logits.to(torch.float64)  # [T, V]
+    x = logits.to(dtype)  # [T, V]
     # Subtract the row max before dividing, so tiny temperatures give -inf, never nan.
     x = (x - x.max(dim=-1, keepdim=True).values) / params.temperature  # [T, V]
     if 0 < params.top_k < x.shape[-1]:
