@@ -177,7 +177,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         grammar = self._grammar(o)
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
                              push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
-                             fixed=o.fixed_shape, grammar=grammar, sharing=self.store.busy)
+                             fixed=o.fixed_shape, grammar=grammar, sharing=self.store.busy,
+                             shares_cores=o.shares_cores)
         try:
             step = session.first(o.budget, o.depth)
         except BaseException:

@@ -525,7 +525,7 @@ def outcome_odds(t: Topology, table: list[list[float]]) -> list[tuple[int, float
 
 def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelined: bool,
          batched: bool, fixed: bool = False, speculate: bool = False, plain_run: int = 1,
-         sharing: float = 1.0) -> Plan:
+         sharing: float = 1.0, shares_cores: bool = False) -> Plan:
     """The best plan for the next step (see the module docstring); `fixed`: the caps are the shape,
     only the predrafts are planned; `batched`: the drafter grows several predrafts in one call
     (`draft_many`), else one call each. Not speculating at all (`Plan.budget` 0: an empty tree, a
@@ -534,7 +534,11 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     verified). `sharing`: the sessions this drafter drafts for at once (>= 1): it drafts them in
     turn, so every tree and predraft of one session waits for the others' (a step's drafting
     costs `sharing` times its own), while one-row steps need no drafting: as a verifier batches
-    more sessions, speculation pays less, and none at all once the drafter is the bottleneck."""
+    more sessions, speculation pays less, and none at all once the drafter is the bottleneck.
+    `shares_cores`: the verifier's threads take the cores the drafter runs on (both on one machine,
+    each with every core); drafter work beside a verification then takes its own time after it
+    (an overlapped step costs V + P, a plain run's feeding its own time), so overlapping can win
+    only by what a predraft hit saves, never by running beside the verification."""
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
     calibration = acc.bonus_calibration
@@ -548,7 +552,8 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
         run = max(1, plain_run)
         best = _priced(ratios, step + costs.draft(0.0, 0.0, 1.0, 0.0), 0, 0, run=run)
         if pipelined:
-            ahead = _priced(ratios, step, 0, 0, feed=True, run=run)
+            feed = costs.draft(0.0, 0.0, 1.0, 0.0) if shares_cores else 0.0
+            ahead = _priced(ratios, step + feed, 0, 0, feed=True, run=run)
     for b, d in cands:
         t = topology(b, d)
         e = expected_tokens(t, table)
@@ -571,7 +576,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
                     # draft_many call, or one call each
                     pre = sharing * (costs.many(levels, m * rows, held) if batched and m > 1
                                      else m * costs.draft(levels, rows, held / m, 1.0))
-                    step = max(v, pre) + (1.0 - hit) * fresh
+                    step = (v + pre if shares_cores else max(v, pre)) + (1.0 - hit) * fresh
                     options.append(_priced(ratios, step, b, d, tuple(chosen), branches=branches,
                                            tokens_per_step=e, hit=hit))
         for p in options:

@@ -271,6 +271,25 @@ def test_bonus_hits_below_prediction_turn_predrafting_off() -> None:
         / (acc.scaled(32.0).bonus_expected + 2.0))
 
 
+def test_on_cores_the_verifier_takes_work_beside_it_is_priced_after_it() -> None:
+    """The same costs where predrafting pays: a drafter on the verifier's cores (`specmesh up`'s
+    services, each with every core, pipelining asked for) plans no predraft and no feeding beside
+    the verification, and so the plain sequential step: on two cores the Qwen pair's pipelined
+    rows ran 2-3% behind sequential ones while the planner tried overlapped steps, and one
+    overlapped SmolLM2 step took what its drafting and verification take in turn."""
+    costs = _overlap_costs()
+    acc = _acceptance(0.8, n=1000.0)
+    alone = plan(costs, acc, 8, 4, pipelined=False, batched=False)
+    assert plan(costs, acc, 8, 4, pipelined=True, batched=False).outcomes
+    shared = plan(costs, acc, 8, 4, pipelined=True, batched=True, shares_cores=True)
+    assert not shared.overlapped and (shared.budget, shared.depth) == (alone.budget, alone.depth)
+    assert shared.step_s == pytest.approx(alone.step_s)
+    # no speculation either: feeding the drafter beside the plain steps is no cheaper than after
+    plain = plan(costs, _acceptance(0.05, n=1000.0), 8, 4, pipelined=True, batched=False, plain_run=8,
+                 shares_cores=True)
+    assert plain.budget == 0 and not plain.feed
+
+
 @pytest.mark.parametrize("alpha,depth", [(0.8, 4), (0.5, 3), (0.9, 8)])
 def test_expected_tokens_of_a_chain_is_the_closed_form(alpha: float, depth: int) -> None:
     e = expected_tokens(topology(depth, depth), rates(_acceptance(alpha, n=1e9)))

@@ -149,7 +149,12 @@ class VerifierConfig(ServiceConfig):
         "Threads and pipelining")."""
         if self.pipelining != "auto":
             return self.pipelining == "on"
-        return not (on_this_machine(drafter) and self.threads * (self.tp_local_ranks or self.tp) >= cpu_count())
+        return not self.shares_cores(drafter)
+
+    def shares_cores(self, drafter: str) -> bool:
+        """Whether `drafter` (HOST:PORT) runs on this machine while this verifier's threads take
+        every core: drafter work then never runs beside a verification for free."""
+        return on_this_machine(drafter) and self.threads * (self.tp_local_ranks or self.tp) >= cpu_count()
 
     @property
     def batched(self) -> bool:

@@ -225,8 +225,10 @@ class RemoteDrafts:
 
     def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
                  spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False,
-                 steps: StepTable | None = None, structured: GrammarSpec | None = None) -> None:
+                 steps: StepTable | None = None, structured: GrammarSpec | None = None,
+                 shares_cores: bool = False) -> None:
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
+        self.shares_cores = shares_cores  # told to the drafter at each open (OpenSession.shares_cores)
         self.structured = structured  # the turn's grammar
         self.steps = steps  # this verifier's step by rows: sent with each open, fed by this session's steps
         self.derive_deadline = derive_deadline
@@ -259,6 +261,7 @@ class RemoteDrafts:
         self.link.open(self.sid, pb.OpenSession(context=context, sampling=sampling_to_pb(self.params),
                                                   budget=self.spec.budget, depth=self.spec.depth,
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
+                                                  shares_cores=self.shares_cores,
                                                   fixed_shape=self.spec.fixed, verify_cost=self._step_cost(),
                                                   features=self._features(1, len(context) - 1),
                                                   structured=self._structured()))
@@ -338,7 +341,7 @@ class RemoteDrafts:
 
     def committed(self, tree: DraftTree, result: VerifyResult, new_tokens: list[int],
                   features=None, verify_s: float = 0.0) -> None:
-        if self.steps is not None and not self.pipelined:  # a step alone: no predraft beside it
+        if self.steps is not None and (not self.pipelined or self.shares_cores):  # no predraft beside it
             self.steps.add(1 + len(tree), verify_s)
         if self._run_left:
             self._run_left -= 1

@@ -126,6 +126,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             drafter=req.drafter_address or cfg.drafter, spec=spec,
             # a seeded request must not depend on timing: whether a predraft hits does, so it drafts in turn
             pipelined=cfg.pipelines(req.drafter_address or cfg.drafter) and not o.no_pipelining and params.seed is None,
+            shares_cores=cfg.shares_cores(req.drafter_address or cfg.drafter),
             # an explicit deadline is kept as asked; else the configured one caps a derived one (not
             # for a seeded request: a derived deadline follows timing)
             deadline_s=o.draft_deadline_s or cfg.draft_deadline_s,

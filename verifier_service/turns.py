@@ -40,6 +40,7 @@ class Turn:
     prompt_logprobs: bool = False    # also the input tokens' (needs logprobs)
     resumed_output: int = 0          # the history's last tokens that are this turn's output (failover)
     structured: GrammarSpec | None = None  # the grammar the output must match
+    shares_cores: bool = False       # the drafter runs here and this verifier's threads take every core
 
 
 @dataclass
@@ -174,7 +175,7 @@ class Verifier:
             link = None
         session.drafts = None if link is None else RemoteDrafts(
             link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline,
-            self.steps, structured)
+            self.steps, structured, turn.shares_cores)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,

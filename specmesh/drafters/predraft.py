@@ -122,11 +122,13 @@ class DraftAhead:
     `grammar`: the turn's grammar (`specmesh.grammar.Guide`) every tree's nodes must satisfy. The
     trees follow it and the request's penalties (`drafters.base.DraftGuide`). `sharing`: how many
     sessions the process drafts for at once, asked at every plan (`planner.plan`; the drafter
-    service's `SessionStore.busy`)."""
+    service's `SessionStore.busy`). `shares_cores`: the verifier runs on the drafter's cores (the
+    planner prices work beside a verification as taking its own time after it)."""
 
     def __init__(self, session: DraftSession, context_len: int, params: SamplingParams, pipelined: bool,
                  push: bool = False, costs: Costs | None = None, recent: Acceptance | None = None,
-                 fixed: bool = False, grammar=None, sharing: Callable[[], float] | None = None) -> None:
+                 fixed: bool = False, grammar=None, sharing: Callable[[], float] | None = None,
+                 shares_cores: bool = False) -> None:
         assert context_len >= 1, "a session needs at least one committed token"
         self.guide = turn_guide(params, context_len, grammar)
         self.session = session
@@ -135,6 +137,7 @@ class DraftAhead:
         self.push = push  # the service pushes its predrafts (take_fresh); only kept here
         self.fixed = fixed
         self.sharing = sharing  # the sessions this drafter serves at once, for `planner.plan` (None: 1)
+        self.shares_cores = shares_cores
         self.costs = costs if costs is not None else Costs()
         self.recent = recent
         self.acceptance = recent.scaled(PRIOR_OBSERVATIONS) if recent is not None else Acceptance()
@@ -263,7 +266,9 @@ class DraftAhead:
     @property
     def wants_predraft(self) -> bool:
         with self._lock:
-            if not self.pipelined or self._closed or self._tree is None:
+            # on the verifier's cores nothing runs beside a verification for free (the planner never
+            # overlaps there), and a plan made now would miss the step's outcome: planned at commit
+            if not self.pipelined or self.shares_cores or self._closed or self._tree is None:
                 return False
             if not self._tree.tokens:  # a plain run: feed its committed tokens beside it, if so planned
                 return self._sent_plan is not None and self._sent_plan.feed and self._behind() > 0
@@ -396,7 +401,8 @@ class DraftAhead:
         sharing = self._sharing()
         probe = self._plain_steps >= self._probe_every(sharing) or sum(self.acceptance.tried[0]) < MIN_TRIALS
         p = planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
-                         speculate=probe, plain_run=self._plain_run(sharing), sharing=sharing)
+                         speculate=probe, plain_run=self._plain_run(sharing), sharing=sharing,
+                         shares_cores=self.shares_cores)
         if probe:
             self._probe = p
         return p

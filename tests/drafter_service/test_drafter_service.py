@@ -552,6 +552,26 @@ def test_pushed_predrafts_let_the_verifier_take_the_next_tree(oracle) -> None:
     s.close()
 
 
+def test_a_drafter_on_the_verifiers_cores_predrafts_nothing(oracle) -> None:
+    """OpenSession.shares_cores (the verifier takes the cores this drafter runs on): a pipelined
+    session whose predrafts would hit every time (the oracle at alpha 1, as in the test above)
+    gets every tree drafted at its commit, none beside the verification."""
+    svc, refs = oracle
+    ref, prompt = refs[1], 30
+    s = svc.stream()
+    first = s.ask("c", open=_open(context=ref[:prompt], budget=4, depth=4, pipelined=True, push_predrafts=True,
+                                  shares_cores=True))
+    assert first.error == "" and first.step == 0
+    tree, position = tree_from_pb(first.tree), first.position
+    for step in range(6):
+        time.sleep(VERIFY_S)
+        accepted, bonus = _verify_against(ref, position, tree)
+        r = s.ask("c", commit=drafter_pb2.CommitStep(step=step, accepted=accepted, bonus=bonus, budget=4, depth=4))
+        assert r.error == "" and not r.HasField("ahead") and not r.predrafted and r.step == step + 1
+        tree, position = tree_from_pb(r.tree), r.position
+    s.close()
+
+
 def test_oracle_checks_the_vocabulary(oracle) -> None:
     svc, refs = oracle
     s = svc.stream()

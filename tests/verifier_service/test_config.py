@@ -30,6 +30,15 @@ def test_on_and_off_are_kept_as_given(two_cores):
     assert not VerifierConfig(threads=1, pipelining="off").pipelines("10.0.0.7:5000")
 
 
+def test_a_drafter_is_told_when_it_shares_the_verifiers_cores(two_cores):
+    """What `auto` decides by is sent to the drafter with each session (OpenSession.shares_cores),
+    whatever the setting: with pipelining on, its planner then prices work beside a verification
+    as taking its own time after it."""
+    on = VerifierConfig(threads=2, pipelining="on")
+    assert on.shares_cores("127.0.0.1:5000") and not on.shares_cores("10.0.0.7:5000")
+    assert not VerifierConfig(threads=1, pipelining="on").shares_cores("127.0.0.1:5000")
+
+
 def test_flags():
     assert VerifierConfig.from_args([]).pipelining == "auto"
     assert VerifierConfig.from_args(["--pipelining", "on"]).pipelining == "on"
