@@ -258,7 +258,10 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     2.7 ms at 152k: a sixth of a SmolLM2 step), mostly checks and setup."""
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)  # [V]
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i == probs.shape[0]:  # the draw times the total rounded up to the total: the last token with mass
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -230,6 +230,14 @@ def test_sample_token_never_draws_zero_probability() -> None:
     assert sample_token(torch.tensor([1.0, 0.0, 0.0]), g) == 0
 
 
+def test_sample_token_at_the_top_of_the_draw_takes_the_last_token_with_mass(monkeypatch) -> None:
+    """A uniform draw times the total can round up to the total: the token drawn is then the last
+    with mass, never a zero-probability one after it."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    g = torch.Generator().manual_seed(0)
+    assert sample_token(torch.tensor([0.3, 0.7, 0.0, 0.0], dtype=torch.float64), g) == 1
+
+
 def test_sample_token_draws_the_distribution() -> None:
     """Frequencies of 20000 draws, unnormalised input with zeros at both ends and in between:
     chi-square against the normalised probabilities (p-value above 1e-3)."""
