@@ -400,9 +400,12 @@ class DraftAhead:
         # speculation is judged by comes only from verified trees
         sharing = self._sharing()
         probe = self._plain_steps >= self._probe_every(sharing) or sum(self.acceptance.tried[0]) < MIN_TRIALS
-        p = planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined, self._batched, self.fixed,
-                         speculate=probe, plain_run=self._plain_run(sharing), sharing=sharing,
-                         shares_cores=self.shares_cores)
+        # on the verifier's cores no overlapped plan can win (`planner.plan`'s shares_cores) and none
+        # is carried out (`wants_predraft`): the session is planned as a sequential one, without
+        # pricing predrafts at every commit, where the verifier waits for the plan
+        p = planner.plan(self.costs, self.acceptance, budget, depth, self.pipelined and not self.shares_cores,
+                         self._batched, self.fixed, speculate=probe, plain_run=self._plain_run(sharing),
+                         sharing=sharing)
         if probe:
             self._probe = p
         return p
