@@ -409,8 +409,8 @@ class Transformer(nn.Module):
         logits = iter(self._logits(torch.cat(wanted)).split([p.shape[0] for p in wanted]))
         return [None if p is None else next(logits) for p in picked]
 
-    def _lean_plan(self) -> list["_LeanLayer"] | None:
-        """This model's `_LeanLayer`s, made at the first call and again once a layer's modules were
+    def _lean_plan(self) -> "_LeanPlan | None":
+        """This model's `_LeanPlan`, made at the first call and again once a layer's modules were
         replaced; None where a layer is not all on the integer kernel and the glue kernels
         (`forward_batch` also leaves TP groups to the module path)."""
         cached = self.__dict__.get("_lean")
@@ -438,8 +438,9 @@ class Transformer(nn.Module):
 # a 1.5B target's step and a quarter of a 0.5B drafter's. Where every product of every layer runs
 # on the integer kernel (`specmesh.kernels.qdot`, a GGUF served as it ships) and the glue and row
 # attention kernels run, one segment's forward calls those same ops, in the same order with the
-# same inputs, from a plan made once: bit-identical to the module path, which stays the reference
-# (and what runs anywhere else).
+# same inputs, from a plan made once, in one call of the glue library's layer loop (glue.cpp
+# `lean_layers`: the Python loop over them still issued about 40 op calls a layer):
+# bit-identical to the module path, which stays the reference (and what runs anywhere else).
 
 
 @dataclass(frozen=True)
@@ -464,7 +465,7 @@ def _on_qdot(m: nn.Module) -> bool:
     return isinstance(m, QuantLinear) and m.fmt == "gguf" and m.kernel == "specmesh-qdot"
 
 
-def _lean_layers_of(model: "Transformer") -> list[_LeanLayer] | None:
+def _lean_layers_of(model: "Transformer") -> "_LeanPlan | None":
     if not (glue.available() and attention.available()):
         return None
     cfg, plan = model.config, []
@@ -479,7 +480,7 @@ def _lean_layers_of(model: "Transformer") -> list[_LeanLayer] | None:
                 or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms)):
             return None
         plan.append(_LeanLayer(qkv, attn.o_proj, gate_up, mlp.down_proj, *norms, attn.head_dim))
-    return plan
+    return _lean_plan_of(plan)
 
 
 def _lean_takes(s: Segment, h: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -489,44 +490,53 @@ def _lean_takes(s: Segment, h: torch.Tensor, cos: torch.Tensor) -> bool:
             and h.device.type == "cpu" and not torch.is_grad_enabled())
 
 
-def _lean_layers(plan: list[_LeanLayer], s: Segment, h: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class _LeanPlan:
+    """The layers of a lean step as `specmesh_glue::lean_layers` (glue.cpp) takes them, made once
+    with the plan: every layer's norm weights and products' buffers in one tensor list, their
+    widths, layouts and splits in one int list, the norms' eps (input, post) per layer."""
+    layers: list[_LeanLayer]
+    tensors: list[torch.Tensor]
+    meta: list[int]
+    eps: list[float]
+
+
+def _lean_plan_of(layers: list[_LeanLayer]) -> _LeanPlan:
+    tensors: list[torch.Tensor] = [layers[0].input_norm._parameters["weight"]]
+    meta: list[int] = []
+    eps: list[float] = []
+    none = torch.empty(0)
+
+    def product(m: nn.Module, splits: list[int] | None) -> None:
+        b = m._buffers
+        tensors.extend([b["qd_codes"], b["qd_sb"], b["qd_sc"], none if b["bias"] is None else b["bias"]])
+        meta.extend([m.out_features, m.bits, m.supergroups, len(splits or ()), *(splits or ())])
+
+    for i, L in enumerate(layers):
+        eps.extend([L.input_norm.eps, L.post_norm.eps])
+        tensors.append(L.post_norm._parameters["weight"])
+        for group, single in ((L.qkv, L.o), (L.gate_up, L.down)):
+            meta.append(len(group))
+            for m, splits in group:
+                product(m, splits)
+            product(single, None)
+        if i + 1 < len(layers):
+            tensors.append(layers[i + 1].input_norm._parameters["weight"])
+    return _LeanPlan(layers, tensors, meta, eps)
+
+
+def _lean_layers(plan: _LeanPlan, s: Segment, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The decoder layers of `Transformer.forward_batch` for one segment: h [T, hidden] after the
-    last layer (before the final norm)."""
+    last layer (before the final norm), in one call of the glue library's layer loop, each product
+    on the integer kernel variant picked for these rows (`qdot.op_for`)."""
     from specmesh.kernels import qdot
 
     th = kernels.pool_threads()
     t = h.shape[0]
-    ops: dict[int, object] = {}
-
-    def product(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        op = ops.get(m.bits)
-        if op is None:
-            op = ops[m.bits] = qdot.op_for(t, m.bits, th)
-        b = m._buffers
-        y = op(x, b["qd_codes"], b["qd_sb"], b["qd_sc"], m.out_features, m.bits, m.supergroups, th)
-        return y if b["bias"] is None else y + b["bias"]
-
-    g = torch.ops.specmesh_glue
+    ops = [qdot.op_for(t, bits, th)._qualified_op_name for bits in (4, 6, 8)]
     offsets, slots = s.row_keys
-    end = s.start + t
-    x = g.rms_norm(h, plan[0].input_norm._parameters["weight"], plan[0].input_norm.eps, th)
-    for i, L in enumerate(plan):
-        q, k, v = _apply_products(L.qkv, x, product)
-        kc, vc = s.cache.layer(i)
-        q = g.rope_into(q, k, v, cos, sin, L.head_dim, kc, vc, s.start, th)  # [H, T, D]
-        a = attention.row_attention(q, kc[:, :end], vc[:, :end], offsets, slots)  # [H, T, D]
-        post = L.post_norm
-        h, x = g.add_rms_norm(h, product(L.o, a.transpose(0, 1).reshape(t, -1)), post._parameters["weight"],
-                              post.eps, th)
-        gate, up = _apply_products(L.gate_up, x, product)
-        m = product(L.down, g.silu_mul(gate, up, th))
-        if i + 1 < len(plan):
-            nxt = plan[i + 1].input_norm
-            h, x = g.add_rms_norm(h, m, nxt._parameters["weight"], nxt.eps, th)
-        else:
-            h = h + m
-    return h
+    return torch.ops.specmesh_glue.lean_layers(h, cos, sin, plan.tensors, plan.meta, plan.eps, s.cache.k, s.cache.v,
+                                               offsets, slots, s.start, plan.layers[0].head_dim, *ops, th)
 
 
 def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -179,16 +179,20 @@ def test_fused_products_are_bit_identical_and_hold_the_weights_once():
     assert fuse_qdot([layer(64, False), q8]) is None  # another layout
 
 
-def _tiny_gguf_target(seed: int = 5, heads: int = 4):
-    """A tiny random Llama with every Linear in `gguf` blocks (Q4_0, the head Q8_0)."""
+def _tiny_gguf_target(seed: int = 5, heads: int = 4, mixed: bool = False):
+    """A tiny random Llama with every Linear in `gguf` blocks (Q4_0, the head Q8_0); `mixed`: with
+    attention biases, v and down in other layouts (Q8_0, Q5_0), as GGUF K-quant mixes ship them
+    (q/k/v then split over products, some with a bias)."""
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=heads // 2, tie_word_embeddings=False,
-                      eos_token_id=1)
-    model = model_from_hf(cfg, random_hf_model(cfg, seed=seed).state_dict())
+                      eos_token_id=1, attention_bias=mixed)
+    sd = {k: v for k, v in random_hf_model(cfg, seed=seed).state_dict().items() if not k.endswith("o_proj.bias")}
+    model = model_from_hf(cfg, sd)  # q/k/v biases, as Qwen2 has them
     info = WeightFormat("gguf")
+    other = {"v_proj": T.Q8_0, "down_proj": T.Q5_0} if mixed else {}
     for name, m in list(model.named_modules()):
         if isinstance(m, torch.nn.Linear):
-            qtype = T.Q8_0 if name == "lm_head" else T.Q4_0
+            qtype = T.Q8_0 if name == "lm_head" else other.get(name.rsplit(".", 1)[-1], T.Q4_0)
             layer = QuantLinear.from_gguf(quantize(m.weight.detach().numpy(), qtype), qtype, m.in_features, m.bias)
             parent, child = name.rsplit(".", 1) if "." in name else ("", name)
             setattr(model.get_submodule(parent), child, layer)
@@ -217,13 +221,18 @@ def _forwards(model) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(not attention.available(), reason=f"row kernel unavailable: {attention.reason()}")
-def test_the_lean_step_equals_the_module_path_to_the_bit(monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_lean_step_equals_the_module_path_to_the_bit(monkeypatch, mixed):
     """Every product on the integer kernel: a forward calls the same ops from a plan made once
-    (`specmesh.model._lean_layers`), with the same results as the module path, to the bit; a
+    (`specmesh.model._lean_layers`, one call of the glue library's layer loop), with the same
+    results as the module path, to the bit, also with biases and q/k/v in several layouts; a
     replaced layer makes a new plan (here none: an fp32 layer is not on the kernel)."""
     import specmesh.model as model_mod
 
-    model = _tiny_gguf_target(heads=2)  # head dim 32: the row kernel takes it
+    model = _tiny_gguf_target(heads=2, mixed=mixed)  # head dim 32: the row kernel takes it
+    if mixed:  # q/k in one product and v in another; every layout in use
+        assert [len(p.layers[0].qkv) for p in [model._lean_plan()]] == [2]
+        assert {m.bits for m in model.modules() if hasattr(m, "bits")} >= {4, 6, 8}
     assert model._lean_plan() is not None
     calls = []
     lean = model_mod._lean_layers

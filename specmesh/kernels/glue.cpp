@@ -6,16 +6,23 @@
 //   rope(q, k, v, cos, sin):      [T, n * D] rows (views of one fused product, any row stride) ->
 //                                 q, k rotated (x * cos + rotate_half(x) * sin) and v, each [n, T, D]
 //   silu_mul(g, u):               silu(g) * u = g / (1 + e^-g) * u
+//   lean_layers(h, ...):          a lean step's decoder layers (specmesh.model._lean_layers): these
+//                                 ops, the integer kernel's products and row attention, in one call
 // fp32, the last dimension contiguous and a multiple of 8 (rope: D a multiple of 16). Every output row
 // is one fixed sequence of fp32 operations on its own input row (sums in 8 lanes, then `hsum8`), whatever
 // the other rows or the thread count: rows stay batch-invariant, as the products and attention keep them.
 // Rows are split over the kernel pool when there are enough of them to pay for it.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <cmath>
+#include <mutex>
+#include <string>
 #include <tuple>
+#include <unordered_map>
+#include <vector>
 
 #include "pool.h"
 #include "simd.h"
@@ -186,6 +193,122 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u, int64_t threads) {
   return y;
 }
 
+// --- the decoder layers of a lean step in one call (specmesh.model._lean_layers) ---------------
+// The same ops, in the same order, with the same inputs as the Python loop they replace: the
+// integer kernel's products (by name: the variant the caller picked for this row count, through
+// the dispatcher), the row attention kernel, and this file's glue. Only the Python around them is
+// gone (about 40 op calls a layer from the interpreter).
+using QdotFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                          int64_t, int64_t);
+using AttnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          double, int64_t);
+
+template <class Fn>
+c10::TypedOperatorHandle<Fn> op_named(const std::string& name) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, c10::TypedOperatorHandle<Fn>> found;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = found.find(name);
+  if (it == found.end())
+    it = found.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Fn>()).first;
+  return it->second;
+}
+
+// One product of the plan: its tensors (codes, sb, sc, bias: empty for none) from `w`, and from
+// `meta` its (n, bits, s, splits, split sizes...).
+struct Product {
+  const at::Tensor *codes, *sb, *sc, *bias;
+  int64_t n, bits, s;
+  std::vector<int64_t> splits;
+};
+
+struct PlanReader {
+  at::TensorList w;
+  at::IntArrayRef meta;
+  size_t wi = 0, mi = 0;
+  int64_t next() {
+    TORCH_CHECK(mi < meta.size(), "lean_layers: plan ints end early");
+    return meta[mi++];
+  }
+  const at::Tensor* tensor() {
+    TORCH_CHECK(wi < w.size(), "lean_layers: plan tensors end early");
+    return &w[wi++];
+  }
+  Product product() {
+    Product p;
+    p.codes = tensor(), p.sb = tensor(), p.sc = tensor(), p.bias = tensor();
+    p.n = next(), p.bits = next(), p.s = next();
+    for (int64_t k = next(); k > 0; --k) p.splits.push_back(next());
+    return p;
+  }
+  std::vector<Product> products() {
+    std::vector<Product> ps;
+    for (int64_t k = next(); k > 0; --k) ps.push_back(product());
+    return ps;
+  }
+};
+
+// plan, per layer: tensors (input norm weight, post norm weight, then each product's four) and
+// ints (qkv products, each product's, o's, gate/up products, each product's, down's); eps per layer
+// (input norm's, post norm's). ops: the integer kernel op for 4-, 6- and 8-bit codes at these rows.
+at::Tensor lean_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList w, at::IntArrayRef meta,
+                       at::ArrayRef<double> eps, const at::Tensor& kall, const at::Tensor& vall, const at::Tensor& offsets,
+                       const at::Tensor& slots, int64_t start, int64_t head_dim, const std::string& op4,
+                       const std::string& op6, const std::string& op8, int64_t threads) {
+  const int64_t layers = static_cast<int64_t>(eps.size() / 2), t = h.size(0), end = start + t;
+  TORCH_CHECK(layers > 0 && kall.dim() == 4 && kall.size(0) == layers && vall.sizes() == kall.sizes(),
+              "lean_layers: one cache layer per plan layer");
+  const c10::TypedOperatorHandle<QdotFn> qdot[3] = {op_named<QdotFn>(op4), op_named<QdotFn>(op6), op_named<QdotFn>(op8)};
+  const auto attend = op_named<AttnFn>("specmesh_attention::row_attention");
+  const auto product = [&](const Product& p, const at::Tensor& x) {
+    at::Tensor y = qdot[p.bits == 4 ? 0 : p.bits == 6 ? 1 : 2].call(x, *p.codes, *p.sb, *p.sc, p.n, p.bits, p.s, threads);
+    return p.bias->numel() ? at::add(y, *p.bias) : y;
+  };
+  const auto apply = [&](const std::vector<Product>& ps, const at::Tensor& x) {
+    std::vector<at::Tensor> outs;
+    for (const Product& p : ps) {
+      at::Tensor y = product(p, x);
+      if (p.splits.empty()) {
+        outs.push_back(y);
+      } else {
+        for (at::Tensor& part : y.split_with_sizes(p.splits, -1)) outs.push_back(part);
+      }
+    }
+    return outs;
+  };
+  PlanReader plan{w, meta};
+  const at::Tensor* input_norm = plan.tensor();
+  at::Tensor x = rms_norm(h, *input_norm, eps[0], threads);
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* post_norm = plan.tensor();
+    const std::vector<Product> qkv = plan.products();
+    const Product o = plan.product();
+    const std::vector<Product> gate_up = plan.products();
+    const Product down = plan.product();
+    const std::vector<at::Tensor> q_k_v = apply(qkv, x);
+    TORCH_CHECK(q_k_v.size() == 3, "lean_layers: q, k, v expected");
+    at::Tensor kc = kall.select(0, i), vc = vall.select(0, i);
+    at::Tensor q = rope_into(q_k_v[0], q_k_v[1], q_k_v[2], cos, sin, head_dim, kc, vc, start, threads);  // [H, T, D]
+    if (q.stride(-1) != 1) q = q.contiguous();
+    const at::Tensor a = attend.call(q, kc.slice(1, 0, end), vc.slice(1, 0, end), offsets, slots,
+                                     1.0 / std::sqrt(static_cast<double>(q.size(-1))), threads);
+    at::Tensor after;
+    std::tie(after, x) = add_rms_norm(h, product(o, a.transpose(0, 1).reshape({t, -1})), *post_norm, eps[2 * i + 1],
+                                      threads);
+    const std::vector<at::Tensor> g_u = apply(gate_up, x);
+    TORCH_CHECK(g_u.size() == 2, "lean_layers: gate, up expected");
+    const at::Tensor m = product(down, silu_mul(g_u[0], g_u[1], threads));
+    if (i + 1 < layers) {
+      input_norm = plan.tensor();
+      std::tie(h, x) = add_rms_norm(after, m, *input_norm, eps[2 * i + 2], threads);
+    } else {
+      h = at::add(after, m);
+    }
+  }
+  TORCH_CHECK(plan.wi == w.size() && plan.mi == meta.size(), "lean_layers: plan longer than its layers");
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specmesh_glue, m) {
@@ -197,4 +320,8 @@ TORCH_LIBRARY(specmesh_glue, m) {
         "int start, int threads) -> Tensor",
         &rope_into);
   m.def("silu_mul(Tensor g, Tensor u, int threads) -> Tensor", &silu_mul);
+  m.def("lean_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] w, int[] meta, float[] eps, Tensor(a!) kall, "
+        "Tensor(b!) vall, Tensor offsets, Tensor slots, int start, int head_dim, str op4, str op6, str op8, "
+        "int threads) -> Tensor",
+        &lean_layers);
 }
