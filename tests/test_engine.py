@@ -328,6 +328,32 @@ def test_a_pairs_costs_are_measured_once_per_machine(tmp_path, monkeypatch) -> N
     assert (len(steps), len(calls)) == (4, 5)
     kept = sorted(p.name.split("-")[0] for p in (tmp_path / "costs").glob("*.json"))
     assert kept == ["drafter", "drafter", "steps", "steps"]
+    # another version of specmesh's code (`kernels.code_key`): its own costs, measured again
+    from specmesh import kernels
+
+    monkeypatch.setenv(engine.COST_CACHE_ENV, "1")
+    monkeypatch.setattr(kernels, "_CODE_KEY", ["another version"])
+    engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
+    assert (len(steps), len(calls)) == (5, 6)
+
+
+def test_the_code_key_follows_the_sources_only(tmp_path):
+    """Kept costs are keyed by a hash of specmesh's Python and C++ sources: any change to one
+    (a faster forward) measures afresh; other files (weights, data) do not count."""
+    from specmesh import kernels
+
+    (tmp_path / "kernels").mkdir()
+    for name, text in (("model.py", "a = 1"), ("kernels/glue.cpp", "int f();"), ("kernels/pool.h", "#pragma once"),
+                       ("weights.bin", "w")):
+        (tmp_path / name).write_text(text)
+    first = kernels.source_hash(tmp_path)
+    (tmp_path / "weights.bin").write_text("other weights")
+    assert kernels.source_hash(tmp_path) == first
+    for name in ("model.py", "kernels/glue.cpp", "kernels/pool.h"):
+        before = kernels.source_hash(tmp_path)
+        (tmp_path / name).write_text((tmp_path / name).read_text() + " ")
+        assert kernels.source_hash(tmp_path) != before, name
+    assert len(kernels.code_key()) == 16 and kernels.code_key() == kernels.code_key()
 
 
 def test_rollback_to_a_prefix_continues_as_a_session_started_there() -> None:

@@ -78,13 +78,33 @@ def describe_threads() -> str:
 
 def machine_key() -> dict:
     """What, besides a model's own layout (`layout_key`), decides what its forward costs in this
-    process: the CPU, the thread split, torch, and the kernel choices timed here (the fp32
-    dispatch table, the integer kernel's variants)."""
+    process: the CPU, the thread split, torch, the kernel choices timed here (the fp32 dispatch
+    table, the integer kernel's variants) and specmesh's own code (`code_key`)."""
     from specmesh.kernels import qdot
 
     return {"cpu": _dispatch.cpu_model(), "flags": _dispatch.cpu_flags(), "threads": describe_threads(),
             "torch": torch.__version__, "fp32": [str(_State.table), sorted(map(list, _State.torch_shapes))],
-            "qdot": qdot.choice()["table"]["choice"] if qdot.available() else None}
+            "qdot": qdot.choice()["table"]["choice"] if qdot.available() else None, "code": code_key()}
+
+
+_CODE_KEY: list[str] = []
+
+
+def code_key() -> str:
+    """A hash of specmesh's sources (`source_hash` of the package): costs measured by one version of
+    the code are not another's (a faster forward left a kept one-row step 30% too dear, and the
+    planner drafted trees that lost)."""
+    if not _CODE_KEY:
+        _CODE_KEY.append(source_hash(Path(__file__).resolve().parent.parent))
+    return _CODE_KEY[0]
+
+
+def source_hash(root: Path) -> str:
+    """A hash of the Python and C++ sources under `root` (their paths and bytes)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def layout_key(module: nn.Module) -> str:
