@@ -25,7 +25,12 @@ cores each; `--service-threads N` for N each), requests with token ids, and thes
 
 Prompts: held-out chat-templated code and prose prompts (`specmesh.distill.prompts` split
 "heldout", topics the shipped drafter never saw), every row on every prompt, interleaved prompt by
-prompt after one untimed warm-up. Generation stops at the tokenizer's EOS ids (as users run it),
+prompt after an untimed warm-up on one more held-out prompt that is not measured: every row for 4
+tokens (first calls allocate and initialise kernels), and first the services' defaults row for the
+whole length, so that the drafter has served one request before the measured ones, as a running
+service has (its planner starts a session from its recent sessions' acceptance; 4-token sessions
+alone, a chat answer's first tokens, left the first measured session planned from 8 unrepresentative
+trials: 0.93 depth-1 acceptance on one pair, 0.52 on the other). Generation stops at the tokenizer's EOS ids (as users run it),
 so every greedy row makes the same tokens; outputs of the greedy services rows must equal the
 autoregressive verifier's ("identical"), those of an in-process speculative row its own plain
 (`none`) row's in the same format and threads ("own plain": another thread count than the
@@ -202,9 +207,10 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked: int = 0) -> dict:
-    """Start the pair's services (weights as `dtype`), run every row on every prompt (interleaved),
-    stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
+               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked: int = 0,
+               warm_text: str | None = None) -> dict:
+    """Start the pair's services (weights as `dtype`), warm them up on `warm_text` (default: the
+    first prompt), run every row on every prompt (interleaved), stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
     weight format (the in-process fp32 rows beside another format report agreement only)."""
     from specmesh.runtime import encode_prompt
 
@@ -212,6 +218,7 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
 
     tok = load_tokenizer_of(pair)
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
+    warm = encode_prompt(tok, warm_text, chat=True) if warm_text is not None else prompts[0]
     loaded = load_pair(pair, threads, peers, n_ctx=max(map(len, prompts)) + n + 64)
     if dtype != "float32":
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
@@ -233,9 +240,12 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     banner = next((line.strip() for line in procs["tp1"].lines if "listening on" in line), "")
     try:
         address = {k: p.address for k, p in procs.items()}
-        for r in live:  # warm-up, untimed: first calls allocate and initialise kernels
+        # warm-up, untimed: the defaults serve one whole request (the drafter's recent sessions, which
+        # a session's planning starts from), then every row's first calls allocate and initialise kernels
+        for r in [next(r for r in live if r.name == defaults)] + live:
             run_row(Row(r.name, r.where, r.drafter, r.pipelined, budget=r.budget, depth=r.depth, fixed=r.fixed,
-                        sampled=r.sampled, runner=r.runner), address, prompts[0], 4, stop, spec)
+                        sampled=r.sampled, runner=r.runner), address, warm, n if r.name == defaults else 4, stop,
+                    spec)
         for pi, ids in enumerate(prompts):
             ref = run_row(live[0], address, ids, n, stop, spec)
             outs: dict[str, list[int]] = {}  # this prompt's outputs (an in-process none row precedes its twin)
@@ -525,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     from specmesh.modelsets import model_path
     from specmesh.v1 import verifier_pb2
 
-    texts = pick_prompts("qwen2.5-coder", n_prompts)  # code, code, prose, ...: held out for both pairs
+    *texts, warm_text = pick_prompts("qwen2.5-coder", n_prompts + 1)  # code, code, prose, ...: held out for both
     report_pairs = []
     for pair in pairs:
         try:
@@ -535,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         report = bench_pair(pair, texts, n, threads, not (args.skip_peers or args.services_only),
                             log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
-                            services_only=args.services_only, service_threads_asked=args.service_threads)
+                            services_only=args.services_only, service_threads_asked=args.service_threads,
+                            warm_text=warm_text)
         report["checks"] = checks(report["results"], report["defaults_row"])
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
@@ -543,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         "service_threads": (f"--threads {args.service_threads} per service process (verifier, drafter)"
                             if args.service_threads else "specmesh up's default (ClusterSpec.service_threads): "
                             "the machine's cores for each service, which take turns"),
-        "in_process_threads": threads, "num_prompts": len(texts), "prompts": texts,
+        "in_process_threads": threads, "num_prompts": len(texts), "prompts": texts, "warm_up_prompt": warm_text,
         "prompt_split": "heldout (specmesh.distill.prompts), chat template", "max_tokens": n,
         "stop": "the tokenizer's and generation config's EOS ids", "sampled_run": {"temperature": TEMPERATURE,
                                                                                    "seed": SEED},
@@ -551,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         "budget/depth only (this proto has no SpeculationOptions.fixed yet)",
         "llama_cpp_model_draft": "not offered by llama-cpp-python: Llama(draft_model=) takes a LlamaDraftModel, "
                                  "and the binding ships only LlamaPromptLookupDecoding",
-        "note": "ratios from one run, every row on every prompt, interleaved prompt by prompt, after one "
-                "untimed warm-up; the machine may be shared"}
+        "note": "ratios from one run, every row on every prompt, interleaved prompt by prompt, after an "
+                "untimed warm-up on warm_up_prompt (the services' defaults for max_tokens, then every row for "
+                "4 tokens); the machine may be shared"}
     out = {"meta": meta, "pairs": report_pairs}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
