@@ -332,7 +332,7 @@ def test_a_pairs_costs_are_measured_once_per_machine(tmp_path, monkeypatch) -> N
     from specmesh import kernels
 
     monkeypatch.setenv(engine.COST_CACHE_ENV, "1")
-    monkeypatch.setattr(kernels, "_CODE_KEY", ["another version"])
+    monkeypatch.setattr(kernels, "code_key", lambda: "another version")
     engine.pair_costs(tiny(32), ModelDrafter(tiny(32)))
     assert (len(steps), len(calls)) == (5, 6)
 

@@ -231,7 +231,7 @@ def test_the_lean_step_equals_the_module_path_to_the_bit(monkeypatch, mixed):
 
     model = _tiny_gguf_target(heads=2, mixed=mixed)  # head dim 32: the row kernel takes it
     if mixed:  # q/k in one product and v in another; every layout in use
-        assert [len(p.layers[0].qkv) for p in [model._lean_plan()]] == [2]
+        assert len(model._lean_plan().layers[0].qkv) == 2
         assert {m.bits for m in model.modules() if hasattr(m, "bits")} >= {4, 6, 8}
     assert model._lean_plan() is not None
     calls = []

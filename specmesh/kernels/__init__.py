@@ -21,6 +21,7 @@ knows about models beyond their `nn.Linear` weights.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -87,16 +88,12 @@ def machine_key() -> dict:
             "qdot": qdot.choice()["table"]["choice"] if qdot.available() else None, "code": code_key()}
 
 
-_CODE_KEY: list[str] = []
-
-
+@functools.cache
 def code_key() -> str:
-    """A hash of specmesh's sources (`source_hash` of the package): costs measured by one version of
-    the code are not another's (a faster forward left a kept one-row step 30% too dear, and the
-    planner drafted trees that lost)."""
-    if not _CODE_KEY:
-        _CODE_KEY.append(source_hash(Path(__file__).resolve().parent.parent))
-    return _CODE_KEY[0]
+    """A hash of specmesh's sources (`source_hash` of the package), once per process: costs measured
+    by one version of the code are not another's (a faster forward left a kept one-row step 30% too
+    dear, and the planner drafted trees that lost)."""
+    return source_hash(Path(__file__).resolve().parent.parent)
 
 
 def source_hash(root: Path) -> str:
