@@ -25,9 +25,9 @@ cores each; `--service-threads N` for N each), requests with token ids, and thes
 
 Prompts: held-out chat-templated code and prose prompts (`specmesh.distill.prompts` split
 "heldout", topics the shipped drafter never saw), every row on every prompt, interleaved prompt by
-prompt after an untimed warm-up on one more held-out prompt that is not measured: every row for 4
-tokens (first calls allocate and initialise kernels), and first the services' defaults row for the
-whole length, so that the drafter has served one request before the measured ones, as a running
+prompt after an untimed warm-up on one more held-out prompt that is not measured: first the
+services' defaults row for the whole length, then every row (first calls allocate and initialise
+kernels) for 4 tokens, the defaults row again for the whole length, so that the drafter has served one request before the measured ones, as a running
 service has (its planner starts a session from its recent sessions' acceptance; 4-token sessions
 alone, a chat answer's first tokens, left the first measured session planned from 8 unrepresentative
 trials: 0.93 depth-1 acceptance on one pair, 0.52 on the other). Generation stops at the tokenizer's EOS ids (as users run it),
@@ -242,6 +242,7 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
         address = {k: p.address for k, p in procs.items()}
         # warm-up, untimed: the defaults serve one whole request (the drafter's recent sessions, which
         # a session's planning starts from), then every row's first calls allocate and initialise kernels
+        # (4 tokens; the defaults row, met again, serves a whole request once more)
         for r in [next(r for r in live if r.name == defaults)] + live:
             run_row(Row(r.name, r.where, r.drafter, r.pipelined, budget=r.budget, depth=r.depth, fixed=r.fixed,
                         sampled=r.sampled, runner=r.runner), address, warm, n if r.name == defaults else 4, stop,
@@ -564,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "and the binding ships only LlamaPromptLookupDecoding",
         "note": "ratios from one run, every row on every prompt, interleaved prompt by prompt, after an "
                 "untimed warm-up on warm_up_prompt (the services' defaults for max_tokens, then every row for "
-                "4 tokens); the machine may be shared"}
+                "4 tokens, the defaults again for max_tokens); the machine may be shared"}
     out = {"meta": meta, "pairs": report_pairs}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
