@@ -2,9 +2,12 @@
 
 Pairs: the bundled SmolLM2-135M target with its shipped feature drafter (what `--drafter auto`
 picks), and Qwen2.5-Coder 0.5B drafting for 1.5B (GGUF files of `specmesh models install
-qwen2.5-coder`; opt-in: when not installed its entry says so). Per pair, one verifier and one
-drafter service on 127.0.0.1 with the threads `specmesh up` gives them by default (the machine's
-cores each; `--service-threads N` for N each), requests with token ids, and these rows:
+qwen2.5-coder`; opt-in: when not installed its entry says so). Per pair, two service sets on
+127.0.0.1 (`--service-threads`, default 0,1), each one drafter service and its verifier: first with
+the threads `specmesh up` gives them by default (the machine's cores each, drafting and verifying
+taking turns: one machine serving alone), then with a core each (`services 1+1 ...` rows: the
+drafter's core stands for its own hardware, the design's separate drafter pods, as issue 15 asks
+its benchmark to run). Requests with token ids, and per set these rows:
 - autoregressive through the verifier (speculation disabled): the unit of every ratio;
 - speculation with the server's default settings, pipelining off and on, greedy, plus one sampled
   run (temperature 0.7, seeded) with the defaults. The defaults row (`defaults_row`) is what a
@@ -73,7 +76,6 @@ PAIRS = ("smollm2", "qwen2.5-coder")
 RESULTS = Path(__file__).parent / "results"
 TEMPERATURE, SEED = 0.7, 1234
 AR = "services autoregressive"
-SAMPLED = f"services defaults, sampled T={TEMPERATURE}"
 
 
 @dataclass
@@ -88,15 +90,18 @@ class Row(Config):
     agree_tokens: int = 0      # ... and tokens of the common prefix, of ...
     ref_tokens: int = 0        # ... the verifier's tokens
     runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
+    group: str = "services"    # services rows: the name prefix of their service set (`ServiceSet.prefix`)
 
 
-def service_rows(threads: str) -> list[Row]:
-    rows = [Row(AR, "tp1", threads=threads)]
+def service_rows(threads: str, prefix: str = "services") -> list[Row]:
+    """The rows of one service set, named `{prefix} ...`."""
+    rows = [Row(f"{prefix} autoregressive", "tp1", threads=threads, group=prefix)]
     for shape, budget, depth, fixed in (("default", 0, 0, False), ("chain 4", 4, 4, True), ("tree 8/4", 8, 4, True)):
         for pipe in (False, True):
-            rows.append(Row(f"services {shape} pipelining {'on' if pipe else 'off'}", "tp1", "drafter", pipe,
-                            budget=budget, depth=depth, fixed=fixed, shape=shape, threads=threads))
-    rows.append(Row(SAMPLED, "tp1", "drafter", True, budget=0, depth=0, shape="default", sampled=True, threads=threads))
+            rows.append(Row(f"{prefix} {shape} pipelining {'on' if pipe else 'off'}", "tp1", "drafter", pipe,
+                            budget=budget, depth=depth, fixed=fixed, shape=shape, threads=threads, group=prefix))
+    rows.append(Row(f"{prefix} defaults, sampled T={TEMPERATURE}", "tp1", "drafter", True, budget=0, depth=0,
+                    shape="default", sampled=True, threads=threads, group=prefix))
     return rows
 
 
@@ -106,6 +111,26 @@ def service_threads(asked: int) -> tuple[int, int]:
     from specmesh.cluster import ClusterSpec
 
     return ClusterSpec(threads=asked).service_threads()
+
+
+@dataclass(frozen=True)
+class ServiceSet:
+    """One drafter service and its verifier(s), each with `drafter`/`verifier` threads; its rows are
+    named `{prefix} ...`: `services` for the first set, `services D+V` for the others."""
+    drafter: int
+    verifier: int
+    prefix: str
+
+
+def service_sets(asked: list[int]) -> list[ServiceSet]:
+    """A set per `--service-threads` entry (0: `specmesh up`'s default threads), in that order; an
+    entry that comes to the same threads as an earlier one (on a one-core machine) is left out."""
+    sets: list[ServiceSet] = []
+    for a in asked:
+        dt, vt = service_threads(a)
+        if all((s.drafter, s.verifier) != (dt, vt) for s in sets):
+            sets.append(ServiceSet(dt, vt, "services" if not sets else f"services {dt}+{vt}"))
+    return sets
 
 
 @dataclass
@@ -172,15 +197,16 @@ def load_tokenizer_of(pair: str):
     return load_tokenizer(bundled_target_path() if pair == "smollm2" else model_path(pair, "target"))
 
 
-def run_row(r: Row, address: dict[str, str], ids: list[int], n: int, stop: frozenset[int], spec) -> list[int]:
+def run_row(r: Row, address: dict[str, dict[str, str]], ids: list[int], n: int, stop: frozenset[int], spec) -> list[int]:
     from specmesh import kernels
     from specmesh.runtime import fit_threads
     from specmesh.sampling import SamplingParams
 
     params = SamplingParams(TEMPERATURE, seed=SEED) if r.sampled else None
     if r.where == "tp1":  # pipelining asked for where the defaults take turns: the verifier told to pipeline
-        pipe = r.pipelined and not r.sampled and "tp1-pipe" in address
-        return run_remote(r, address | {"tp1": address["tp1-pipe"]} if pipe else address, ids, None, n, params, stop)
+        addr = address[r.group]  # its service set's drafter and verifiers
+        pipe = r.pipelined and not r.sampled and "tp1-pipe" in addr
+        return run_remote(r, addr | {"tp1": addr["tp1-pipe"]} if pipe else addr, ids, None, n, params, stop)
     kernels.set_threads(r.threads)  # peers: torch at the whole budget
     if r.where == "inproc":
         model, drafter = r.runner
@@ -207,15 +233,20 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked: int = 0,
+               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked=(0,),
                warm_text: str | None = None) -> dict:
-    """Start the pair's services (weights as `dtype`), warm them up on `warm_text` (default: the
-    first prompt), run every row on every prompt (interleaved), stop them; the pair's report. Greedy identity is asserted for the rows in the services' own
-    weight format (the in-process fp32 rows beside another format report agreement only)."""
+    """Start the pair's services (weights as `dtype`), a service set per entry of
+    `service_threads_asked` (`service_sets`), warm them up on `warm_text` (default: the first
+    prompt), run every row on every prompt (interleaved), stop them; the pair's report. Greedy
+    identity is asserted for the rows in the services' own weight format, each services row against
+    its own set's autoregressive row, that row against the first set's (the in-process fp32 rows
+    beside another format report agreement only)."""
     from specmesh.runtime import encode_prompt
 
     from specmesh.engine import SpecConfig
 
+    if isinstance(service_threads_asked, int):
+        service_threads_asked = (service_threads_asked,)
     tok = load_tokenizer_of(pair)
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
     warm = encode_prompt(tok, warm_text, chat=True) if warm_text is not None else prompts[0]
@@ -224,38 +255,56 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
     from verifier_service.config import VerifierConfig
 
-    dt, vt = service_threads(service_threads_asked)
-    rows = service_rows(f"drafter {dt}, verifier {vt}") + ([] if services_only else loaded.rows)
+    sets = service_sets(list(service_threads_asked))
+    rows = [r for s in sets for r in service_rows(f"drafter {s.drafter}, verifier {s.verifier}", s.prefix)]
+    rows += [] if services_only else loaded.rows
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default caps, planned within
-    procs = {"drafter": start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads", str(dt),
-                              "--dtype", dtype)}
-    verifier = ("verifier_service", "--threads", str(vt), "--target", loaded.target, "--dtype", dtype,
-                "--drafter-allow", procs["drafter"].address)  # requests name it (drafter_address)
-    procs["tp1"] = start(*verifier)  # the defaults: --pipelining auto
-    pipelines = VerifierConfig(threads=vt).pipelines(procs["drafter"].address)
-    if not pipelines:  # the defaults take turns: the pipelining-on rows need a verifier told to pipeline
-        procs["tp1-pipe"] = start(*verifier, "--pipelining", "on")
-    defaults = f"services default pipelining {'on' if pipelines else 'off'}"
-    banner = next((line.strip() for line in procs["tp1"].lines if "listening on" in line), "")
+    procs: dict[str, dict] = {}
+    described = []
     try:
-        address = {k: p.address for k, p in procs.items()}
-        # warm-up, untimed: the defaults serve one whole request (the drafter's recent sessions, which
-        # a session's planning starts from), then every row's first calls allocate and initialise kernels
-        # (4 tokens; the defaults row, met again, serves a whole request once more)
-        for r in [next(r for r in live if r.name == defaults)] + live:
+        for s in sets:
+            ps = procs[s.prefix] = {}
+            ps["drafter"] = start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads",
+                                  str(s.drafter), "--dtype", dtype)
+            verifier = ("verifier_service", "--threads", str(s.verifier), "--target", loaded.target, "--dtype", dtype,
+                        "--drafter-allow", ps["drafter"].address)  # requests name it (drafter_address)
+            ps["tp1"] = start(*verifier)  # the defaults: --pipelining auto
+            pipelines = VerifierConfig(threads=s.verifier).pipelines(ps["drafter"].address)
+            if not pipelines:  # the defaults take turns: the pipelining-on rows need a verifier told to pipeline
+                ps["tp1-pipe"] = start(*verifier, "--pipelining", "on")
+            described.append({
+                "prefix": s.prefix, "service_threads": {"drafter": s.drafter, "verifier": s.verifier},
+                "defaults_row": f"{s.prefix} default pipelining {'on' if pipelines else 'off'}",
+                "defaults_row_why": f"what a request without speculation options gets from a verifier with --threads "
+                                    f"{s.verifier} and --pipelining auto, its drafter on 127.0.0.1 "
+                                    f"(verifier_service.config.pipelines)" + (
+                                        "; pipelining-on rows then ran on a second verifier started with "
+                                        "--pipelining on" if not pipelines else ""),
+                "verifier_banner": next((line.strip() for line in ps["tp1"].lines if "listening on" in line), "")})
+        address = {g: {k: p.address for k, p in ps.items()} for g, ps in procs.items()}
+        defaults = {d["defaults_row"] for d in described}
+        # warm-up, untimed: each set's defaults serve one whole request (the drafter's recent sessions,
+        # which a session's planning starts from), then every row's first calls allocate and initialise
+        # kernels (4 tokens; a defaults row, met again, serves a whole request once more)
+        for r in [r for r in live if r.name in defaults] + live:
             run_row(Row(r.name, r.where, r.drafter, r.pipelined, budget=r.budget, depth=r.depth, fixed=r.fixed,
-                        sampled=r.sampled, runner=r.runner), address, warm, n if r.name == defaults else 4, stop,
-                    spec)
+                        sampled=r.sampled, runner=r.runner, group=r.group), address, warm,
+                    n if r.name in defaults else 4, stop, spec)
+        first_ar = live[0]
         for pi, ids in enumerate(prompts):
-            ref = run_row(live[0], address, ids, n, stop, spec)
+            ref = run_row(first_ar, address, ids, n, stop, spec)
+            own_ref = {first_ar.group: ref}  # each service set's autoregressive output
             outs: dict[str, list[int]] = {}  # this prompt's outputs (an in-process none row precedes its twin)
             for r in live[1:]:
                 out = outs[r.name] = run_row(r, address, ids, n, stop, spec)
                 if r.sampled:
                     continue
-                if r.where == "tp1":
+                if r.where == "tp1" and r.drafter == "none":  # another set's autoregressive row (first in its set)
+                    own_ref[r.group] = out
                     r.identical &= out == ref
+                elif r.where == "tp1":
+                    r.identical &= out == own_ref[r.group]
                 elif r.where == "inproc" and r.drafter != "none":
                     r.identical &= out == outs.get(r.name.replace("speculative", "none"))
                 common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
@@ -264,15 +313,14 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
                 r.ref_tokens += len(ref)
             log(f"{pair}: prompt {pi + 1}/{len(prompts)} done ({len(ids)} prompt tokens, {len(ref)} generated)")
     finally:
-        for p in procs.values():
-            p.stop()
+        for ps in procs.values():
+            for p in ps.values():
+                p.stop()
+    first = described[0]
     return {"pair": pair, "target": loaded.target, "drafter": loaded.drafter, "stop_ids": sorted(stop),
-            "services_dtype": dtype, "verifier_banner": banner, "service_threads": {"drafter": dt, "verifier": vt},
-            "defaults_row": defaults,
-            "defaults_row_why": f"what a request without speculation options gets from a verifier with --threads {vt} "
-                                f"and --pipelining auto, its drafter on 127.0.0.1 (verifier_service.config.pipelines); "
-                                f"pipelining-on rows then ran on a second verifier started with --pipelining on"
-                                if not pipelines else "the verifier pipelines by default here",
+            "services_dtype": dtype, "verifier_banner": first["verifier_banner"],
+            "service_threads": first["service_threads"], "defaults_row": first["defaults_row"],
+            "defaults_row_why": first["defaults_row_why"], "service_sets": described,
             "default_shape": f"services: the verifier's defaults (no budget/depth sent); in-process: "
                              f"caps budget {spec.budget}, depth {spec.depth} (specmesh.engine.SpecConfig), each "
                              f"step's shape planned within them (specmesh.engine.PlannedDrafts)",
@@ -280,10 +328,11 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
 
 
 def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
+    """Each row's numbers; ratios against the autoregressive row of the first service set (services
+    rows: of their own set; in-process rows: their own plain row)."""
     by = {r.name: r for r in rows}
-    ar = by[AR]
-    ar_dt, ar_ds = ar.decode_rate()
-    ar_tps = ar.tokens / ar.seconds
+    ars = {r.group: r for r in rows if r.where == "tp1" and r.drafter == "none"}
+    first_ar = next(iter(ars.values()))
     inproc_none = next((r for r in rows if r.where == "inproc" and r.drafter == "none"), None)
     out = []
     for r in rows:
@@ -294,6 +343,11 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
             out.append(d)
             continue
         dt, ds = r.decode_rate()
+        ar = ars[r.group] if r.where == "tp1" else first_ar
+        ar_dt, ar_ds = ar.decode_rate()
+        ar_tps = ar.tokens / ar.seconds
+        if r.where == "tp1":
+            d["service_set"] = r.group
         d |= {"shape": r.shape or None, "pipelining": r.pipelined if r.where == "tp1" and r.drafter != "none" else None,
               "sampled": r.sampled, "tokens": r.tokens, "seconds": round(r.seconds, 3),
               "tokens_per_s": round(r.tokens / r.seconds, 2), "decode_tokens_per_s": round(dt / ds, 2),
@@ -427,16 +481,18 @@ def machine_info() -> dict:
             "glue": "specmesh kernels" if glue.available() else f"torch ops ({glue.reason()})"}
 
 
-def checks(results: list[dict], defaults: str) -> dict:
-    """The issue's criteria that this one run can decide, from the rows above; `defaults`: the row
-    that is what a request without speculation options gets."""
-    by = {d["name"]: d for d in results if d["status"] == "ok"}
+def checks(results: list[dict], defaults: str, prefix: str = "services") -> dict:
+    """The issue's criteria that this one run can decide, from the rows above, for the service set
+    whose rows are named `{prefix} ...`; `defaults`: its row that is what a request without
+    speculation options gets."""
+    by = {d["name"]: d for d in results if d["status"] == "ok" and d.get("service_set", prefix) == prefix}
+    ar_name = f"{prefix} autoregressive"
 
     def tps(name: str) -> float | None:
         return by[name]["tokens_per_s"] if name in by else None
-    ar, dflt = tps(AR), tps(defaults)
+    ar, dflt = tps(ar_name), tps(defaults)
     hf = [v for k, v in ((k, d["tokens_per_s"]) for k, d in by.items()) if k.startswith("transformers")]
-    fixed = [d["tokens_per_s"] for k, d in by.items() if k.startswith(("services chain", "services tree"))]
+    fixed = [d["tokens_per_s"] for k, d in by.items() if k.startswith((f"{prefix} chain", f"{prefix} tree"))]
     out: dict = {}
     if ar and dflt:
         out["default_vs_autoregressive"] = round(dflt / ar, 3)
@@ -444,7 +500,7 @@ def checks(results: list[dict], defaults: str) -> dict:
         out["default_vs_faster_transformers"] = round(dflt / max(hf), 3)
     if dflt and fixed:
         out["default_vs_best_fixed_shape"] = round(dflt / max(fixed), 3)
-    pairs = [(k, _off_twin(k)) for k in by if k.startswith("services") and k.endswith("pipelining on")]
+    pairs = [(k, _off_twin(k)) for k in by if k.startswith(prefix) and k.endswith("pipelining on")]
     out["pipelining_on_vs_off"] = {k: round(by[k]["tokens_per_s"] / by[o]["tokens_per_s"], 3)
                                    for k, o in pairs if o in by}
     out["defaults_row"] = defaults
@@ -458,8 +514,8 @@ def checks(results: list[dict], defaults: str) -> dict:
     llama1 = next((d for k, d in by.items() if k.startswith("llama.cpp plain") and d["threads"] == 1), None)
     if llama and nones:  # issue 20: the same machine threads on both sides, the served format
         out["in_process_none_vs_llama_plain"] = round(nones[-1]["tokens_per_s"] / llama["tokens_per_s"], 3)
-    if llama1 and AR in by:  # issue 20: one thread each, decode phase
-        out["verifier_decode_vs_llama_1_thread"] = round(by[AR]["decode_tokens_per_s"] /
+    if llama1 and ar_name in by:  # issue 20: one thread each, decode phase
+        out["verifier_decode_vs_llama_1_thread"] = round(by[ar_name]["decode_tokens_per_s"] /
                                                          llama1["decode_tokens_per_s"], 3)
     if llama and dflt:
         out["default_vs_llama_plain"] = round(dflt / llama["tokens_per_s"], 3)
@@ -504,6 +560,22 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _thread_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts >= 0, got {text!r}")
+    return out
+
+
+def _describe_threads(asked: int) -> str:
+    if asked:
+        return f"--threads {asked} per service process (verifier, drafter)"
+    return "specmesh up's default (ClusterSpec.service_threads): the machine's cores for each service, which take turns"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specmesh bench pairs", description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", default=",".join(PAIRS), help="comma list of: " + ", ".join(PAIRS))
@@ -513,9 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 2 prompts x 12 tokens")
     ap.add_argument("--skip-peers", action="store_true", help="no transformers or llama.cpp rows")
     ap.add_argument("--services-only", action="store_true", help="only the services' rows (a quick probe)")
-    ap.add_argument("--service-threads", type=int, default=0,
-                    help="--threads of each service process (the verifier, the drafter); default 0: what "
-                         "`specmesh up` gives them (the machine's cores each)")
+    ap.add_argument("--service-threads", default="0,1", type=_thread_list,
+                    help="a service set (a drafter and its verifier) per entry, N: --threads N for each of "
+                         "its processes, 0: what `specmesh up` gives them (the machine's cores each, taking "
+                         "turns); default 0,1: that, and a core each (the drafter's own core standing for "
+                         "its own hardware, as in the design's separate drafter pods)")
     ap.add_argument("--dtype", default=DEFAULT_DTYPE,
                     help="the services' weights (verifier and drafter --dtype; default auto, the services' own "
                          "default: measured here), and in-process rows in that format beside the fp32 ones")
@@ -548,13 +622,13 @@ def main(argv: list[str] | None = None) -> int:
                             log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
                             services_only=args.services_only, service_threads_asked=args.service_threads,
                             warm_text=warm_text)
-        report["checks"] = checks(report["results"], report["defaults_row"])
+        report["checks"] = checks(report["results"], report["defaults_row"])  # the first set's
+        report["checks_by_service_set"] = {s["prefix"]: checks(report["results"], s["defaults_row"], s["prefix"])
+                                           for s in report["service_sets"]}
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
     meta = base_meta() | machine_info() | {
-        "service_threads": (f"--threads {args.service_threads} per service process (verifier, drafter)"
-                            if args.service_threads else "specmesh up's default (ClusterSpec.service_threads): "
-                            "the machine's cores for each service, which take turns"),
+        "service_threads": "; ".join(_describe_threads(a) for a in args.service_threads),
         "in_process_threads": threads, "num_prompts": len(texts), "prompts": texts, "warm_up_prompt": warm_text,
         "prompt_split": "heldout (specmesh.distill.prompts), chat template", "max_tokens": n,
         "stop": "the tokenizer's and generation config's EOS ids", "sampled_run": {"temperature": TEMPERATURE,

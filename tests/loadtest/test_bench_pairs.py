@@ -65,6 +65,32 @@ def test_checks_hold_the_verifier_against_llama_cpp_at_one_thread() -> None:
     assert c["greedy_identical"] is True
 
 
+def test_a_second_service_set_is_measured_against_its_own_autoregressive_row() -> None:
+    rows = _rows()
+    one = "services 1+1"  # its verifier at half the first's speed: 0.2 s a decode step
+    rows[3:3] = [
+        Row(f"{one} autoregressive", "tp1", tokens=11, seconds=2.4, decode_tokens=10, decode_s=2.0, steps=11,
+            verify_s=2.2, group=one),
+        Row(f"{one} default pipelining on", "tp1", "drafter", True, budget=0, depth=0, tokens=22, seconds=1.2,
+            decode_tokens=18, decode_s=1.0, steps=11, idle_s=0.1, verify_s=1.1, hits=8, shape="default", group=one),
+    ]
+    by = {d["name"]: d for d in summarise(rows, 1)}
+    on = by[f"{one} default pipelining on"]
+    assert on["service_set"] == one and by["services default pipelining on"]["service_set"] == "services"
+    assert on["decode_speedup_vs_autoregressive"] == pytest.approx(18 / 5)  # 18 tok/s in decode against 5
+    assert on["verify_cost_v"] == pytest.approx(0.5)  # 0.1 s a step against its own verifier's 0.2 s
+    assert "gamma_c" not in on  # no pipelining-off twin in its set
+    # the first set's ratios are unchanged by the second set's rows
+    assert by["services default pipelining on"]["decode_speedup_vs_autoregressive"] == pytest.approx(2.0)
+    first = checks(list(by.values()), "services default pipelining on")
+    second = checks(list(by.values()), f"{one} default pipelining on", one)
+    assert first["default_vs_autoregressive"] == pytest.approx((20 / 1.0) / (11 / 1.2), abs=1e-2)
+    assert second["default_vs_autoregressive"] == pytest.approx((22 / 1.2) / (11 / 2.4), abs=1e-2)
+    assert list(first["pipelining_on_vs_off"]) == ["services default pipelining on"]
+    assert second["pipelining_on_vs_off"] == {}  # its off row is not in this run
+    assert second["default_vs_faster_transformers"] == pytest.approx((22 / 1.2) / (11 / 0.8), abs=1e-2)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
@@ -109,5 +135,15 @@ def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
     assert len(llama) == 4 and all(d["status"] == "ok" or d["status"].startswith(("not installed", "not offered"))
                                    for d in llama)
     assert pair["checks"]["greedy_identical"] is True
+    # a second set with a core per service, measured beside the first (where the machine has 2 cores)
+    sets = pair["service_sets"]
+    assert sets[0]["prefix"] == "services" and sets[0]["defaults_row"] == pair["defaults_row"]
+    if ClusterSpec(threads=1).service_threads() != (drafter_threads, verifier_threads):
+        assert [s["prefix"] for s in sets] == ["services", "services 1+1"]
+        assert sets[1]["service_threads"] == {"drafter": 1, "verifier": 1}
+        assert set(pair["checks_by_service_set"]) == {"services", "services 1+1"}
+        own = {name: d for name, d in rows.items() if d.get("service_set") == "services 1+1"}
+        assert len(own) == 8 and all(d["status"] == "ok" for d in own.values())
+        assert all(d["identical_to_autoregressive"] is True for d in own.values() if not d["sampled"])
     table = format_table(report)
     assert all(name in table for name in rows)
