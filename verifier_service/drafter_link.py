@@ -223,10 +223,13 @@ class RemoteDrafts:
     the drafter's measured answers make likely (`derived_deadline`), within it; a tree that missed
     its step is dropped, so a too-short wait only costs that step's speculation."""
 
-    def __init__(self, link: DrafterLink, session_id: str, target: TargetSession, params: SamplingParams,
+    def __init__(self, link: DrafterLink, session_id: str, target: TargetSession | None, params: SamplingParams,
                  spec: SpecConfig, pipelined: bool, deadline_s: float, derive_deadline: bool = False,
                  steps: StepTable | None = None, structured: GrammarSpec | None = None,
-                 shares_cores: bool = False) -> None:
+                 shares_cores: bool = False, context: list[int] | None = None) -> None:
+        """`target` None: opened on `context` before the target session exists (its prefill then runs
+        beside the drafter's: `Verifier._open_early`); set `target` before the first tree is asked
+        for. Only for a drafter that needs no target features."""
         self.link, self.session_id, self.spec, self.deadline_s = link, session_id, spec, deadline_s
         self.shares_cores = shares_cores  # told to the drafter at each open (OpenSession.shares_cores)
         self.structured = structured  # the turn's grammar
@@ -236,6 +239,7 @@ class RemoteDrafts:
         self.params, self.pipelined = params, pipelined
         self.target = target  # whose features a feature drafter gets
         self.features = link.feature_dim > 0
+        assert target is not None or (context is not None and not self.features)
         self.usable = True
         self.timeouts = 0
         self.predraft_hits = 0
@@ -243,7 +247,7 @@ class RemoteDrafts:
         self._taken: DraftTree | None = None  # the next tree, taken from a pushed predraft
         self._run_left = 0  # one-row steps left in the plain run the drafter asked for (this one included)
         self._run: list[int] = []  # the run's committed tokens, not yet sent
-        self._open(list(target.tokens))
+        self._open(list(target.tokens if target is not None else context))
 
     def _features(self, first: int, count: int) -> bytes:
         """The target features pairing with committed tokens [first, first + count), for a feature drafter."""

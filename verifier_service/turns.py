@@ -109,7 +109,7 @@ class Verifier:
         session.named = bool(turn.session_id)
         session.drafter = "" if turn.drafter == self.cfg.drafter else turn.drafter
         try:
-            target, prompt_lps = self._place(session, turn, out)
+            target, prompt_lps = self._place(session, turn, out, sid)
             if prompt_lps:
                 yield Chunk([], "", prompt_logprobs=prompt_lps)
             yield from self._speculate(session, sid, target, turn, is_active, out, constraint)
@@ -118,7 +118,7 @@ class Verifier:
             if not turn.session_id:
                 self.sessions.drop(sid)
 
-    def _place(self, session, turn: Turn, out: Outcome) -> tuple[TargetSession, list[TokenLogprob] | None]:
+    def _place(self, session, turn: Turn, out: Outcome, sid: str) -> tuple[TargetSession, list[TokenLogprob] | None]:
         """The session's target holding the turn's context, and the input tokens' logprobs when
         the turn asked for them."""
         # 1. reuse the held KV cache where it matches (the history is what it holds, or a prefix
@@ -134,9 +134,16 @@ class Verifier:
             context = (turn.history or []) + turn.new_ids
             if not context:
                 raise ValueError("input: unknown session and no tokens to start it")
-            # the target keeps its features for a feature drafter (EAGLE-style) from the start
-            session.target = TargetSession(self.model, context, features=self._feature_dim(turn) > 0,
-                                           prompt_logprobs=lps)
+            early = self._open_early(session, sid, turn, context)
+            try:
+                # the target keeps its features for a feature drafter (EAGLE-style) from the start
+                session.target = TargetSession(self.model, context, features=self._feature_dim(turn) > 0,
+                                               prompt_logprobs=lps)
+            except BaseException:
+                if early:
+                    session.drafts.close()
+                    session.drafts = None
+                raise
             out.prompt_tokens = len(context)
             prompt = session.target.prompt_logprobs
             return session.target, None if prompt is None else prompt[len(context) - len(turn.new_ids):]
@@ -147,8 +154,29 @@ class Verifier:
         out.prompt_tokens = len(t.tokens)
         return t, prompt
 
+    def _open_early(self, session: Session, sid: str, turn: Turn, context: list[int]) -> bool:
+        """Open the turn's drafter session on `context` before the target's prefill, where the
+        drafter drafts on cores of its own (a pipelined turn, not on this verifier's cores) and needs
+        no target features: its prefill and first tree then run beside the target's prefill, not
+        after it, and the first token comes that much sooner. True when it did (`_drafts` takes it)."""
+        link = self._link(turn)
+        if link is None or link.feature_dim > 0 or not turn.pipelined or turn.shares_cores:
+            return False
+        if session.drafts is not None:
+            session.drafts.close()
+        session.drafts = RemoteDrafts(link, sid, None, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
+                                      turn.derive_deadline, self.steps, self._grammar(turn), turn.shares_cores,
+                                      context=context)
+        return True
+
     def _link(self, turn: Turn) -> DrafterLink | None:
         return self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
+
+    @staticmethod
+    def _grammar(turn: Turn) -> GrammarSpec | None:
+        """The grammar the drafter gets: the turn's, except for a turn resumed after a failover
+        (`_drafts`)."""
+        return None if turn.resumed_output else turn.structured
 
     def _feature_dim(self, turn: Turn) -> int:
         link = self._link(turn)
@@ -164,7 +192,10 @@ class Verifier:
         far): such a turn drafts unguided, verification still enforces the grammar."""
         link = self._link(turn)
         held = session.drafts
-        structured = None if turn.resumed_output else turn.structured
+        if held is not None and held.target is None:  # opened for this turn before the prefill
+            held.target = target
+            return held
+        structured = self._grammar(turn)
         if held is not None and held.resume(link, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
                                               turn.derive_deadline, structured):
             return held

@@ -1,0 +1,67 @@
+"""A pipelined turn with a drafter on cores of its own opens its drafter session before the
+target's prefill, so that the drafter's prefill and first tree run beside it (time to first token);
+a turn whose drafter shares the verifier's cores, and a feature drafter (it needs the prefill's
+features), open it after. Through a real drafter service and the verifier's real link, on the
+bundled SmolLM2 with a model drafter of the same weights; output identical to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verifier_service.turns as turns
+from drafter_service.config import DrafterServiceConfig
+from drafter_service.server import start_server
+from drafter_service.sessions import SessionStore
+from specmesh.drafters.model import ModelDrafter
+from specmesh.engine import SpecConfig, StopConditions, generate
+from specmesh.planner import Acceptance, Costs
+from specmesh.runtime import encode_prompt, load_target
+from specmesh.sampling import SamplingParams
+from verifier_service.config import VerifierConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served():
+    torch.set_num_threads(1)
+    model, tok = load_target(None)
+    server, _health, port = start_server(DrafterServiceConfig(port=0), ModelDrafter(model), model.config.vocab_size,
+                                         SessionStore(8, 600.0), Costs(), Acceptance())
+    address = f"127.0.0.1:{port}"
+    verifier = turns.Verifier(VerifierConfig(drafter=address, max_new_tokens=64), model, tok)
+    yield model, tok, verifier, address
+    verifier.shutdown()
+    server.stop(0)
+
+
+@pytest.mark.parametrize("pipelined, shares_cores, early", [(True, False, True), (True, True, False),
+                                                            (False, False, False)])
+def test_the_drafter_session_opens_before_the_prefill_only_beside_it(served, monkeypatch, pipelined, shares_cores,
+                                                                     early) -> None:
+    model, tok, verifier, address = served
+    sid = f"s-{pipelined}-{shares_cores}"
+    seen = []
+
+    class Recorded(turns.TargetSession):
+        def __init__(self, *args, **kwargs) -> None:
+            seen.append(verifier.sessions._sessions[sid].drafts is not None)  # at the prefill's start
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(turns, "TargetSession", Recorded)
+    ids = encode_prompt(tok, "Name three colours.", chat=True)
+    stop = StopConditions(24, frozenset())
+    turn = turns.Turn(sid, ids, SamplingParams(), stop, address, SpecConfig(), pipelined, 5.0,
+                      shares_cores=shares_cores)
+    out = turns.Outcome()
+    got = [t for c in verifier.run(turn, lambda: True, out) for t in c.token_ids]
+    assert seen == [early]
+    assert got == generate(model, ids, SamplingParams(), stop).token_ids
+    assert out.result.stats.accepted_tokens > 0  # the drafter's trees were verified (its own model: all taken)
+    # the next turn of the session extends the same drafter session
+    drafts = verifier.sessions._sessions[sid].drafts
+    more = [t for c in verifier.run(turns.Turn(sid, [tok.eos_token_id], SamplingParams(), StopConditions(8, frozenset()),
+                                               address, SpecConfig(), pipelined, 5.0, shares_cores=shares_cores),
+                                    lambda: True, turns.Outcome()) for t in c.token_ids]
+    assert len(more) == 8 and verifier.sessions._sessions[sid].drafts is drafts and seen == [early]
