@@ -153,6 +153,12 @@ class DrafterLink:
         if self.alive:
             self._send.put(pb.DrafterRequest(session_id=session_id, close=pb.CloseSession()))
 
+    def answered(self, session_id: str) -> bool:
+        """Whether an answer for the session is waiting to be taken."""
+        with self._lock:
+            box = self._inbox.get(session_id)
+        return box is not None and not box.empty()
+
     def wait_tree(self, session_id: str, step: int, timeout_s: float) -> pb.DraftResponse | None:
         """The drafter's answer for `step`, or None if it does not come in time or the link died."""
         with self._lock:
@@ -208,7 +214,8 @@ class LinkPool:
 
 def derived_deadline(slowest_s: float | None, cap_s: float) -> float:
     """How long to wait for a tree: DEADLINE_MARGIN times the slowest recent wait for one that came
-    (decaying), plus DEADLINE_FLOOR_S, at most `cap_s`; `cap_s` until a tree has come."""
+    (decaying; a wait that timed out counts as one that long: `RemoteDrafts.next_tree`), plus
+    DEADLINE_FLOOR_S, at most `cap_s`; `cap_s` until a tree has come."""
     if slowest_s is None:
         return cap_s
     return min(cap_s, DEADLINE_MARGIN * slowest_s + DEADLINE_FLOOR_S)
@@ -319,6 +326,7 @@ class RemoteDrafts:
             return tree
         wait = derived_deadline(self.slowest_s, self.deadline_s) if self.derive_deadline else self.deadline_s
         t = time.monotonic()
+        ready = self.link.answered(self.sid)  # came before it was asked for: says nothing of how long one takes
         resp = self.link.wait_tree(self.sid, self.step, wait)
         if resp is not None and resp.error and self.resumed:
             # the drafter no longer holds the session (say, evicted while idle between turns):
@@ -328,11 +336,15 @@ class RemoteDrafts:
             t = time.monotonic()
             resp = self.link.wait_tree(self.sid, self.step, self.deadline_s)
         self.resumed = False
-        if resp is not None and not resp.error:
+        if resp is not None and not resp.error and not ready:
             waited = time.monotonic() - t
             self.slowest_s = waited if self.slowest_s is None else max(waited, DEADLINE_DECAY * self.slowest_s)
         if resp is None:
             self.timeouts += self.link.alive
+            if self.derive_deadline and self.link.alive:
+                # no tree in `wait`: one takes longer than that, so the next wait is a margin longer
+                # (else a deadline derived from quick answers would stay below a slower drafter for good)
+                self.slowest_s = max(self.slowest_s or 0.0, wait)
             return DraftTree.empty()
         if resp.error:
             self.usable = False  # the drafter closed this session: go on without speculation
