@@ -30,6 +30,13 @@ EMBED_KEY = "model.embed_tokens.weight"
 
 
 def _sha256(path: Path) -> str:
+    """The file's sha256, hashed once per process while its size and modification time hold."""
+    st = os.stat(path)
+    return _sha256_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -409,10 +416,10 @@ def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> T
         return load_model(path, dtype)
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        model = load_model(p, auto_format(p))
-        if model.weight_format.fmt == "gguf":
-            requantize_to_4bit(model)
-        return model
+        fmt = auto_format(p)
+        if fmt == "gguf":
+            return packed(p, "gguf, requantized to 4 bits", lambda: requantize_to_4bit(_build_gguf(p, fmt)))
+        return load_model(p, fmt)
     model = load_model(path, torch.float32)
     shapes = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0]
     if not shapes:
@@ -429,7 +436,104 @@ def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> T
 def load_gguf(path: Path, fmt: str) -> Transformer:
     """Build the model straight from a GGUF in weight format `fmt`, one tensor at a time: no fp32
     copy of the whole model, in memory or on disk. 4-bit blocks become `int4` with their own codes;
-    under `int4` other tensors stay fp32; `int8` requantizes all (listed in `model.weight_format`)."""
+    under `int4` other tensors stay fp32; `int8` requantizes all (listed in `model.weight_format`).
+    `gguf` (the integer kernels' layouts) goes through the packed-weights cache (`packed`)."""
+    if fmt == "gguf":
+        return packed(path, fmt, lambda: _build_gguf(path, fmt))
+    return _build_gguf(path, fmt)
+
+
+WEIGHT_CACHE_ENV = "SPECMESH_WEIGHT_CACHE"  # 0: build every load from the file, keep nothing
+
+
+def packed(path: Path, variant: str, build) -> Transformer:
+    """A `gguf` model of the GGUF at `path`, built by `build` once and kept under
+    `$SPECMESH_CACHE/packed` in the kernels' own layouts; later loads map that file (torch.load's
+    mmap: no unpacking or repacking, and processes loading the same model share its pages). The
+    key is the file (path, size, modification time), `variant` (the format and what was done to
+    it), which kernels build here and specmesh's sources (`kernels.code_key`: a layout changes with
+    the code); one entry is kept per file and variant, the newest. `SPECMESH_WEIGHT_CACHE=0` turns
+    it off. A cached model equals a built one to the bit (`tests/test_gguf_format.py`)."""
+    from specmesh.kernels import ggml, qdot
+
+    if os.environ.get(WEIGHT_CACHE_ENV, "1") == "0":
+        return build()
+    st = path.stat()
+    slot = hashlib.sha256(repr((str(path.resolve()), variant)).encode()).hexdigest()[:16]  # one entry each
+    version = hashlib.sha256(repr((st.st_size, st.st_mtime_ns, kernels.code_key(), qdot.available(),
+                                   ggml.available(), torch.__version__)).encode()).hexdigest()[:16]
+    folder = cache_root() / "packed"
+    blob = folder / f"{path.stem}-{slot}-{version}.pt"
+    if blob.is_file():
+        try:
+            return _load_packed(path, blob)
+        except Exception as e:  # a truncated or foreign file: build afresh (and replace it)
+            print(f"specmesh: packed weights {blob} unreadable ({e}); building from {path.name}",
+                  file=sys.stderr, flush=True)
+    model = build()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.close(fd)
+    try:
+        _save_packed(model, Path(tmp))
+        os.replace(tmp, blob)
+    except OSError as e:  # a full disk costs only the next load's time
+        print(f"specmesh: could not keep packed weights in {folder} ({e})", file=sys.stderr, flush=True)
+        Path(tmp).unlink(missing_ok=True)
+        return model
+    for old in folder.glob(f"{path.stem}-{slot}-*.pt"):
+        if old != blob:
+            old.unlink(missing_ok=True)
+    return model
+
+
+_QUANT_ATTRS = ("kernel", "bits", "supergroups", "source", "qtype")
+
+
+def _save_packed(model: Transformer, to: Path) -> None:
+    from dataclasses import asdict
+
+    from specmesh.quant import GGUFEmbedding, QuantLinear
+
+    if not isinstance(model.model.embed_tokens, GGUFEmbedding):
+        raise ValueError("packed: only gguf models (their embedding as the file's blocks) are kept")
+    layers = {name: {"fmt": m.fmt, "in": m.in_features, "out": m.out_features,
+                     "attrs": {a: getattr(m, a) for a in _QUANT_ATTRS if a in m.__dict__},
+                     "buffers": [b for b, t in m._buffers.items() if t is not None]}
+              for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    torch.save({"layers": layers, "state": model.state_dict(), "weight_format": asdict(model.weight_format)}, to)
+
+
+def _load_packed(path: Path, blob: Path) -> Transformer:
+    from specmesh.quant import GGUFEmbedding, QuantLinear, WeightFormat
+
+    saved = torch.load(blob, mmap=True, weights_only=True)
+    state = dict(saved["state"])
+    hf_cfg = _gguf_config(path)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq.to("meta"), scale)
+    for name, spec in saved["layers"].items():
+        m = QuantLinear(spec["fmt"], spec["in"], spec["out"], None)
+        m.__dict__.update(spec["attrs"])
+        for b in spec["buffers"]:
+            m.register_buffer(b, state.pop(f"{name}.{b}"))
+        parent, child = name.rsplit(".", 1) if "." in name else ("", name)
+        setattr(model.get_submodule(parent), child, m)
+    embed = next(t for t in gguf_tensors(path) if t.name == "token_embd.weight")
+    model.model.embed_tokens = GGUFEmbedding(embed.data, embed.tensor_type, dim=int(embed.shape[0]))
+    model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta and n != "inv_freq"]
+    if left:
+        raise ValueError(f"lacks {left[:5]}")
+    model.inv_freq = inv_freq.float()
+    model.weight_format = WeightFormat(**saved["weight_format"])
+    kernels.tune(model)
+    return model.eval()
+
+
+def _build_gguf(path: Path, fmt: str) -> Transformer:
     import numpy as np
     from gguf.quants import dequantize
     from specmesh.kernels import qdot

@@ -278,6 +278,52 @@ def test_bundled_gguf_loads_as_shipped():
     assert agree >= 0.8, float(agree)  # the same weights; 8-bit activations move near-ties only
 
 
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_packed_weights_load_equal_to_the_bit_and_follow_the_file(tmp_path, monkeypatch, role):
+    import os
+    import shutil
+
+    from specmesh import loader
+
+    gguf = tmp_path / "model.gguf"
+    shutil.copy(loader.bundled_target_path(), gguf)
+    monkeypatch.setattr(loader, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(loader, "auto_format", lambda path: "gguf")  # the drafter's path to its 4-bit requantization
+
+    def load():
+        return loader.load_gguf(gguf, "gguf") if role == "target" else loader.load_drafter_weights(gguf, "auto")
+
+    def logits(m):
+        tokens = torch.tensor([1, 504, 3458, 282, 260, 1345, 314, 253, 2630, 30, 198])
+        return m(tokens, torch.arange(len(tokens)), m.new_cache(32), 0)
+
+    built = load()  # built from the file, then kept
+    (blob,) = (tmp_path / "cache" / "packed").glob("*.pt")
+    built_fn = loader._build_gguf
+    monkeypatch.setattr(loader, "_build_gguf", lambda *a: pytest.fail("built again, not read from the cache"))
+    kept = load()
+    assert kept.weight_format == built.weight_format
+    assert torch.equal(logits(kept), logits(built))
+    assert type(kept.lm_head) is type(built.lm_head) and kept.lm_head.qd_codes.dtype == built.lm_head.qd_codes.dtype
+    # a changed file is a new entry, built afresh; the old one is dropped
+    monkeypatch.setattr(loader, "_build_gguf", built_fn)
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
+    assert torch.equal(logits(load()), logits(built))
+    assert [p.name for p in (tmp_path / "cache" / "packed").glob("*.pt")] != [blob.name]
+    assert len(list((tmp_path / "cache" / "packed").glob("*"))) == 1
+
+    class Built(Exception):
+        pass
+
+    def build(*args):
+        raise Built
+
+    monkeypatch.setenv(loader.WEIGHT_CACHE_ENV, "0")  # off: built every time, the kept entry not read
+    monkeypatch.setattr(loader, "_build_gguf", build)
+    with pytest.raises(Built):
+        load()
+
+
 def test_gguf_is_refused_for_a_checkpoint_without_blocks():
     from specmesh.drafters import bundled_drafter_path
     from specmesh.loader import load_model
