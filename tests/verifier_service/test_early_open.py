@@ -8,8 +8,6 @@ same weights; output identical to plain decoding."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from specmesh.engine import SpecConfig, StopConditions, generate
 from specmesh.planner import Acceptance, Costs
 from specmesh.runtime import encode_prompt, load_target
 from specmesh.sampling import SamplingParams
+from tests.slow_drafter import SlowDrafter
 from verifier_service.config import VerifierConfig
 
 pytestmark = pytest.mark.slow
@@ -29,40 +28,11 @@ pytestmark = pytest.mark.slow
 SLOW_S = 0.08  # a slow drafter's every draft call takes this much longer: far more than a target step
 
 
-class SlowDrafter:
-    """A drafter whose draft calls each take SLOW_S longer (one on a slower device)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def open(self, context, features=None):
-        return SlowSession(self.inner.open(context, features))
-
-
-class SlowSession:
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def draft(self, *args, **kwargs):
-        time.sleep(SLOW_S)
-        return self.inner.draft(*args, **kwargs)
-
-    def draft_many(self, *args, **kwargs):
-        time.sleep(SLOW_S)
-        return self.inner.draft_many(*args, **kwargs)
-
-
 @pytest.fixture(scope="module", params=["quick", "slow"])
 def served(request):
     torch.set_num_threads(1)
     model, tok = load_target(None)
-    drafter = ModelDrafter(model) if request.param == "quick" else SlowDrafter(ModelDrafter(model))
+    drafter = ModelDrafter(model) if request.param == "quick" else SlowDrafter(ModelDrafter(model), SLOW_S)
     server, _health, port = start_server(DrafterServiceConfig(port=0), drafter, model.config.vocab_size,
                                          SessionStore(8, 600.0), Costs(), Acceptance())
     address = f"127.0.0.1:{port}"

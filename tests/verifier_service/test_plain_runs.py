@@ -22,42 +22,20 @@ from specmesh.loader import load_drafter_weights
 from specmesh.planner import Acceptance, Costs
 from specmesh.runtime import encode_prompt, load_target
 from specmesh.sampling import SamplingParams, make_generator
+from tests.slow_drafter import SlowDrafter
 from verifier_service.drafter_link import DrafterLink, RemoteDrafts
 
-DRAFT_SLEEP_S = 0.2  # a drafter call costs this much: far more than the target's one-row step
-
-
-class SlowDrafter:
-    """The shipped feature drafter, each draft call made DRAFT_SLEEP_S slower (a drafter on a slow
-    device): the planner measures that and stops asking for trees."""
-
-    def __init__(self, inner: FeatureDrafter) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def open(self, context, features=None):
-        return SlowSession(self.inner.open(context, features))
-
-
-class SlowSession:
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def draft(self, *args, **kwargs):
-        time.sleep(DRAFT_SLEEP_S)
-        return self.inner.draft(*args, **kwargs)
+# the shipped feature drafter with every draft call this much slower (a drafter on a slow device): far
+# more than the target's one-row step, so the planner measures that and stops asking for trees
+DRAFT_SLEEP_S = 0.2
 
 
 @pytest.fixture(scope="module")
 def served():
     torch.set_num_threads(1)
     model, tok = load_target(None)
-    drafter = SlowDrafter(FeatureDrafter(load_drafter_weights(str(bundled_drafter_path()), torch.float32)))
+    drafter = SlowDrafter(FeatureDrafter(load_drafter_weights(str(bundled_drafter_path()), torch.float32)),
+                          DRAFT_SLEEP_S)
     store = SessionStore(8, 600.0)
     recent = Acceptance()  # evidence enough that no first trees are probes
     recent.tried[0][0], recent.accepted[0][0] = 64.0, 32.0
