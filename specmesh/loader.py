@@ -477,7 +477,7 @@ def packed(path: Path, variant: str, build) -> Transformer:
     try:
         _save_packed(model, Path(tmp))
         os.replace(tmp, blob)
-    except OSError as e:  # a full disk costs only the next load's time
+    except Exception as e:  # a full disk (or a model it cannot keep) costs only the next load's time
         print(f"specmesh: could not keep packed weights in {folder} ({e})", file=sys.stderr, flush=True)
         Path(tmp).unlink(missing_ok=True)
         return model
