@@ -375,8 +375,7 @@ def requantize_to_4bit(model: Transformer) -> Transformer:
             c = quantize_int4(m.dequantized())
             scale = c.scale.half().float()
             offset = (c.zero - 8 * c.scale).half().float()  # the group's minimum
-            parent, child = name.rsplit(".", 1) if "." in name else ("", name)
-            setattr(model.get_submodule(parent), child, QuantLinear.from_codes(c.q, scale, offset, 4, m.bias))
+            _set_module(model, name, QuantLinear.from_codes(c.q, scale, offset, 4, m.bias))
             info.requantize_shipped(m.kernel, m.source)
     return model
 
@@ -397,8 +396,7 @@ def requantize_to_8bit(model: Transformer) -> Transformer:
                 info.keep("F32")
                 continue
             q, s = quantize_q8(m.weight.detach())
-            parent, child = name.rsplit(".", 1) if "." in name else ("", name)
-            setattr(model.get_submodule(parent), child, QuantLinear.from_codes(q, s, torch.zeros_like(s), 8, m.bias))
+            _set_module(model, name, QuantLinear.from_codes(q, s, torch.zeros_like(s), 8, m.bias))
             info.note(name, "F32")
     model.weight_format = info
     kernels.tune(model)
@@ -509,26 +507,43 @@ def _load_packed(path: Path, blob: Path) -> Transformer:
 
     saved = torch.load(blob, mmap=True, weights_only=True)
     state = dict(saved["state"])
-    hf_cfg = _gguf_config(path)
-    cfg = ModelConfig.from_hf(hf_cfg)
-    inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
-    with torch.device("meta"):
-        model = Transformer(cfg, inv_freq.to("meta"), scale)
+    model, inv_freq = _gguf_skeleton(path)
     for name, spec in saved["layers"].items():
         m = QuantLinear(spec["fmt"], spec["in"], spec["out"], None)
         m.__dict__.update(spec["attrs"])
         for b in spec["buffers"]:
             m.register_buffer(b, state.pop(f"{name}.{b}"))
-        parent, child = name.rsplit(".", 1) if "." in name else ("", name)
-        setattr(model.get_submodule(parent), child, m)
+        _set_module(model, name, m)
     embed = next(t for t in gguf_tensors(path) if t.name == "token_embd.weight")
     model.model.embed_tokens = GGUFEmbedding(embed.data, embed.tensor_type, dim=int(embed.shape[0]))
     model.load_state_dict(state, strict=False, assign=True)
-    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta and n != "inv_freq"]
+    return _gguf_finish(model, path, inv_freq, WeightFormat(**saved["weight_format"]))
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put `module` at dotted `name` in `model` (a Linear replaced by its QuantLinear)."""
+    parent, child = name.rsplit(".", 1) if "." in name else ("", name)
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _gguf_skeleton(path: Path) -> tuple[Transformer, torch.Tensor]:
+    """The GGUF's model on the meta device (its config, no weights) and its rope frequencies."""
+    hf_cfg = _gguf_config(path)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
+    with torch.device("meta"):
+        return Transformer(cfg, inv_freq.to("meta"), scale), inv_freq
+
+
+def _gguf_finish(model: Transformer, path: Path, inv_freq: torch.Tensor, info) -> Transformer:
+    """A GGUF model whose weights are all in place: checked, its rope frequencies and model card set,
+    the fp32 layers left tuned (as `model_from_hf` does)."""
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    left = [n for n in left if n != "inv_freq"]
     if left:
-        raise ValueError(f"lacks {left[:5]}")
+        raise ValueError(f"weights: {path.name} lacks {left[:5]}")
     model.inv_freq = inv_freq.float()
-    model.weight_format = WeightFormat(**saved["weight_format"])
+    model.weight_format = info
     kernels.tune(model)
     return model.eval()
 
@@ -543,11 +558,8 @@ def _build_gguf(path: Path, fmt: str) -> Transformer:
         raise ValueError(f"dtype: expected a float dtype or one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "gguf" and not qdot.available():
         raise ValueError(f"dtype: gguf needs specmesh's integer CPU kernel: {qdot.reason()}")
-    hf_cfg = _gguf_config(path)
-    cfg = ModelConfig.from_hf(hf_cfg)
-    inv_freq, scale = _rope(hf_cfg, cfg.head_dim)
-    with torch.device("meta"):
-        model = Transformer(cfg, inv_freq.to("meta"), scale)
+    model, inv_freq = _gguf_skeleton(path)
+    cfg = model.config
     info = WeightFormat(fmt)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     tensors = {_hf_name(t.name): t for t in gguf_tensors(path)}
@@ -589,8 +601,7 @@ def _build_gguf(path: Path, fmt: str) -> Transformer:
                 continue
             info.ship(layer.kernel, t.tensor_type.name)
             replaced.add(module)
-            parent, child = module.rsplit(".", 1) if "." in module else ("", module)
-            setattr(model.get_submodule(parent), child, layer)
+            _set_module(model, module, layer)
             continue
         codes = gguf_int4_codes(t.data, t.tensor_type.name, n, k) if fmt == "int4" else None
         if fmt == "int4" and codes is None:
@@ -609,22 +620,14 @@ def _build_gguf(path: Path, fmt: str) -> Transformer:
             w = floats(t, n, k)
             layer = QuantLinear.from_float(w if rows is None else w[rows], bias, fmt)
             info.note(module, t.tensor_type.name)
-        parent, child = module.rsplit(".", 1) if "." in module else ("", module)
-        setattr(model.get_submodule(parent), child, layer)
+        _set_module(model, module, layer)
     for name in list(state):
         if name.endswith(".bias") and name.rsplit(".", 1)[0] in replaced:
             state.pop(name)  # went into its QuantLinear
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings and fmt == "fp32":
         model.lm_head.weight = model.model.embed_tokens.weight
-    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-    left = [n for n in left if n != "inv_freq"]
-    if left:
-        raise ValueError(f"weights: {path.name} lacks {left[:5]}")
-    model.inv_freq = inv_freq.float()
-    model.weight_format = info
-    kernels.tune(model)  # the fp32 layers left (all of them in fp32), as model_from_hf does
-    return model.eval()
+    return _gguf_finish(model, path, inv_freq, info)
 
 
 def quantize_model(model: Transformer, fmt: str) -> Transformer:
@@ -639,8 +642,7 @@ def quantize_model(model: Transformer, fmt: str) -> Transformer:
     if fmt != "fp32":
         for name, m in list(model.named_modules()):
             if isinstance(m, torch.nn.Linear):
-                parent, child = name.rsplit(".", 1) if "." in name else ("", name)
-                setattr(model.get_submodule(parent), child, QuantLinear.from_float(m.weight, m.bias, fmt))
+                _set_module(model, name, QuantLinear.from_float(m.weight, m.bias, fmt))
                 info.note(name, "F32")
     model.weight_format = info
     kernels.tune(model)
