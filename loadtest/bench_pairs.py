@@ -233,7 +233,7 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
-               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked=(0,),
+               dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked: tuple[int, ...] | list[int] = (0,),
                warm_text: str | None = None) -> dict:
     """Start the pair's services (weights as `dtype`), a service set per entry of
     `service_threads_asked` (`service_sets`), warm them up on `warm_text` (default: the first
@@ -245,8 +245,6 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
 
     from specmesh.engine import SpecConfig
 
-    if isinstance(service_threads_asked, int):
-        service_threads_asked = (service_threads_asked,)
     tok = load_tokenizer_of(pair)
     prompts = [encode_prompt(tok, t, chat=True) for t in texts]
     warm = encode_prompt(tok, warm_text, chat=True) if warm_text is not None else prompts[0]

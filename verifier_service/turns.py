@@ -164,10 +164,15 @@ class Verifier:
             return False
         if session.drafts is not None:
             session.drafts.close()
-        session.drafts = RemoteDrafts(link, sid, None, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
-                                      turn.derive_deadline, self.steps, self._grammar(turn), turn.shares_cores,
-                                      context=context)
+        session.drafts = self._new_drafts(link, sid, None, turn, context)
         return True
+
+    def _new_drafts(self, link: DrafterLink, sid: str, target: TargetSession | None, turn: Turn,
+                    context: list[int] | None = None) -> RemoteDrafts:
+        """A fresh drafter session for the turn (OpenSession on `target`'s tokens, or on `context`
+        before the target exists)."""
+        return RemoteDrafts(link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
+                            turn.derive_deadline, self.steps, self._grammar(turn), turn.shares_cores, context)
 
     def _link(self, turn: Turn) -> DrafterLink | None:
         return self.links.get(turn.drafter) if (turn.spec is not None and turn.drafter) else None
@@ -195,18 +200,15 @@ class Verifier:
         if held is not None and held.target is None:  # opened for this turn before the prefill
             held.target = target
             return held
-        structured = self._grammar(turn)
         if held is not None and held.resume(link, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s,
-                                              turn.derive_deadline, structured):
+                                              turn.derive_deadline, self._grammar(turn)):
             return held
         if held is not None:
             held.close()
         dim = 0 if link is None else link.feature_dim
         if dim and (target.features is None or dim != self.model.config.hidden_size):
             link = None
-        session.drafts = None if link is None else RemoteDrafts(
-            link, sid, target, turn.params, turn.spec, turn.pipelined, turn.deadline_s, turn.derive_deadline,
-            self.steps, structured, turn.shares_cores)
+        session.drafts = None if link is None else self._new_drafts(link, sid, target, turn)
         return session.drafts
 
     def _speculate(self, session: Session, sid: str, target: TargetSession, turn: Turn,
