@@ -118,6 +118,9 @@ class Segment:
     hidden: torch.Tensor | None = None
     exact: bool = True  # rows bitwise as if decoded alone (`_attention_by_row`); drafters need not
     row_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # rows attended alone: `_row_slots`, once per forward
+    # a reduced-vocabulary head (`vocab_map`): tokens scored beside it for this segment, and their
+    # head rows ([N] ids, [N, hidden]): a drafter's session context (`HeadCut`)
+    extra_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Linear(nn.Linear):
@@ -317,6 +320,7 @@ class Transformer(nn.Module):
         # A reduced-vocabulary head (drafters): lm_head row j scores token vocab_map[j]; the others
         # get logit -inf (probability 0, which the verifier's residual accounts for exactly).
         self.vocab_map: torch.Tensor | None = None
+        self.head_cut = None  # a drafter's head cut at load (`specmesh.drafters.head_cut.HeadCut`)
         self.rope_scaling = rope_scaling
         self.tp_all_reduce: AllReduce | None = None  # set by tp.apply_tp
         # Feature drafters (EAGLE-style, `specmesh.drafters.feature`): each row's input is
@@ -345,13 +349,16 @@ class Transformer(nn.Module):
         features: torch.Tensor | None = None,
         hidden: bool = False,
         exact: bool = True,
+        extra_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         """Write the tokens' K/V at slots [start, start+T) and return logits [R, vocab]; with
         `hidden`, (logits, final hidden states [T, hidden] before the norm: the target features a
         feature drafter takes). `features`: a feature drafter's per-row input. `exact=False`
         (drafters): rows need equal one-token decoding only up to rounding, so where the row
-        kernel does not run (`_row_kernel_takes`) they take batched SDPA."""
-        seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden, exact=exact)
+        kernel does not run (`_row_kernel_takes`) they take batched SDPA. `extra_vocab`: see
+        `Segment`."""
+        seg = Segment(tokens, positions, cache, start, mask, logits_rows, features, hidden, exact=exact,
+                      extra_vocab=extra_vocab)
         logits = self.forward_batch([seg])[0]
         return (logits, seg.hidden) if hidden else logits
 
@@ -403,10 +410,12 @@ class Transformer(nn.Module):
                 s.hidden = h[row:row + n]
             picked.append(None if s.logits_rows is None else h[row:row + n][s.logits_rows])
             row += n
-        wanted = [p for p in picked if p is not None]
+        wanted = [(p, s.extra_vocab) for p, s in zip(picked, segments) if p is not None]
         if not wanted:
             return [None] * len(segments)
-        logits = iter(self._logits(torch.cat(wanted)).split([p.shape[0] for p in wanted]))
+        sizes = [p.shape[0] for p, _ in wanted]
+        logits = iter(self._logits(torch.cat([p for p, _ in wanted]), list(zip(sizes, (e for _, e in wanted))))
+                      .split(sizes))
         return [None if p is None else next(logits) for p in picked]
 
     def _lean_plan(self) -> "_LeanPlan | None":
@@ -423,12 +432,21 @@ class Transformer(nn.Module):
         self.__dict__["_lean"] = ([(d, tuple(d.values())) for d in watched], plan)
         return plan
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(h)).float()
+    def _logits(self, h: torch.Tensor, parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor] | None]] = ()):
+        """Logits [R, vocab] of the rows `h`; `parts`: consecutive runs of them (rows, the run's
+        `Segment.extra_vocab`), whose extra tokens are scored beside a reduced head."""
+        x = self.model.norm(h)
+        logits = self.lm_head(x).float()
         if self.vocab_map is None:
             return logits  # [R, vocab]
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self.vocab_map] = logits
+        row = 0
+        for n, extra in parts:
+            if extra is not None and extra[0].numel():
+                ids, weight = extra
+                full[row:row + n, ids] = x[row:row + n].float() @ weight.t()
+            row += n
         return full  # [R, vocab]
 
 

@@ -73,6 +73,26 @@ def quantize_int4(w: torch.Tensor) -> Int4Codes:
     return Int4Codes(q, scale, lo + 8 * scale)
 
 
+def int4_linear(w: torch.Tensor, bias: torch.Tensor | None) -> "QuantLinear":
+    """fp32 weights [N, K] as 4-bit codes on the integer kernel (`quantize_int4`), scales and
+    offsets rounded to fp16 (the kernel holds them as fp16 pairs: 5 bits a weight). A
+    requantization: for drafters."""
+    q, scale, offset = _int4_fp16(w)
+    return QuantLinear.from_codes(q, scale, offset, 4, bias)
+
+
+def int4_weights(w: torch.Tensor) -> torch.Tensor:
+    """The weights [N, K] that `int4_linear(w)` holds, as fp32."""
+    q, scale, offset = _int4_fp16(w)
+    n, k = q.shape
+    return (q.view(n, k // GROUP, GROUP).float() * scale[..., None] + offset[..., None]).view(n, k)
+
+
+def _int4_fp16(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = quantize_int4(w)
+    return c.q, c.scale.half().float(), (c.zero - 8 * c.scale).half().float()  # offset: the group's minimum
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ([N, K] int8, [N] float32 scales)."""
     scale = (w.float().abs().amax(1) / 127).clamp_min(1e-12)
@@ -470,6 +490,7 @@ class WeightFormat:
     requantized: dict[str, int] = field(default_factory=dict)
     kept_fp32: dict[str, int] = field(default_factory=dict)
     as_shipped: dict[str, dict[str, int]] = field(default_factory=dict)  # gguf: kernel -> block type -> count
+    head: str = ""  # a drafter's cut head (`specmesh.drafters.head_cut`): what it scores
 
     def ship(self, kernel: str, source_type: str) -> None:
         types = self.as_shipped.setdefault(kernel, {})
@@ -509,6 +530,8 @@ class WeightFormat:
             notes.append("requantized: " + ", ".join(f"{n} {t}" for t, n in sorted(self.requantized.items())))
         if self.kept_fp32:
             notes.append("kept fp32: " + ", ".join(f"{n} {t}" for t, n in sorted(self.kept_fp32.items())))
+        if self.head:
+            notes.append(f"head: {self.head}")
         return self.fmt + (f" ({'; '.join(notes)})" if notes else "")
 
 
