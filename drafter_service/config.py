@@ -36,6 +36,9 @@ class DrafterServiceConfig(ServiceConfig):
     threads: int = 1  # torch threads
     device: str = "auto"  # model drafters: auto (cuda when available) | cpu | cuda (specmesh.device)
     dtype: str = DEFAULT_DTYPE  # model drafters: specmesh.device.DTYPES (auto: runtime.load_model_drafter)
+    # a GGUF model drafter under dtype auto: head rows kept (specmesh.drafters.head_cut); None: its
+    # default (head_cut.DEFAULT_SIZE), 0: the whole head
+    draft_vocab: int | None = None
     max_streams: int = 64  # concurrent Draft streams (one worker thread each)
     grace_s: float = 5.0  # on SIGTERM/SIGINT: let streams finish this long, then cancel
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -63,6 +66,10 @@ class DrafterServiceConfig(ServiceConfig):
              help="the tokenizer shared with the target (HF folder or GGUF), to prune trees to a turn's grammar "
                   "(structured outputs); default: a model drafter's own, if its files hold one; none: do not "
                   "follow grammars")
+        flag(p, "--draft-vocab", d.draft_vocab, type=int,
+             help="a GGUF model drafter (dtype auto): keep this many head rows, its most frequent tokens, and score "
+                  "each session's context beside them (a cheaper drafter level; the output is unchanged); "
+                  "0: the whole head; default: 81920 where the vocabulary is larger")
         flag(p, "--oracle-reference", d.oracle_reference,
              help="oracle: JSON list of token-id sequences (prompt + the target's continuation)")
         flag(p, "--draft-cost-s", d.draft_cost_s, type=float,
@@ -110,6 +117,10 @@ class DrafterServiceConfig(ServiceConfig):
         if self.max_total_tokens < self.max_context_tokens:
             raise ValueError(f"max_total_tokens: must be >= max_context_tokens ({self.max_context_tokens}), "
                              f"got {self.max_total_tokens}")
+        if self.draft_vocab is not None and kind != "model":
+            raise ValueError("draft_vocab: only a model drafter has a head to cut")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab: must be >= 0 (0: the whole head), got {self.draft_vocab}")
         if kind != "model" and (self.device != "auto" or self.dtype != DEFAULT_DTYPE):
             raise ValueError("device, dtype: only a model drafter computes (ngram and oracle run on the CPU)")
         if self.max_streams < 1:

@@ -57,7 +57,7 @@ def build_drafter(cfg: DrafterServiceConfig) -> tuple[Drafter, int | None]:
         from specmesh.device import parse_dtype, resolve_device
         from specmesh.runtime import load_model_drafter
 
-        drafter = load_model_drafter(arg, resolve_device(cfg.device), parse_dtype(cfg.dtype))
+        drafter = load_model_drafter(arg, resolve_device(cfg.device), parse_dtype(cfg.dtype), cfg.draft_vocab)
         return drafter, drafter.model.config.vocab_size
     raise ValueError(f"drafter: {cfg.drafter!r} cannot be served")
 

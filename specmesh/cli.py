@@ -43,6 +43,16 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
                         "integer kernels, CPU) | auto (default: the fastest here of gguf, int4, float32 for a "
                         "GGUF, float32 for anything else; a model drafter in the same format, requantized to 4 "
                         "bits)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="a GGUF model drafter under --dtype auto: keep this many head rows, its most frequent "
+                        "tokens, and score the prompt's tokens beside them (a cheaper drafter level; the output is "
+                        "unchanged); 0: the whole head; default: $SPECMESH_DRAFT_VOCAB, else 81920 where the "
+                        "vocabulary is larger (specmesh.drafters.head_cut)")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +114,8 @@ def _cmd_generate_remote(args: argparse.Namespace) -> int:
     from specmesh.loader import bundled_target_path, load_tokenizer
     from specmesh.runtime import encode_prompt
 
+    if args.draft_vocab is not None:
+        raise ValueError("draft_vocab: the cluster's drafters cut their heads (the drafter service's --draft-vocab)")
     prompt = args.prompt
     if args.chat:
         prompt = encode_prompt(load_tokenizer(args.target or bundled_target_path()), args.prompt, chat=True)
@@ -141,6 +153,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params.validate()
     args.drafter = resolve_auto(args.drafter, args.target)
     kind, arg = parse_drafter_spec(args.drafter)
+    head = args.draft_vocab if args.draft_vocab is not None else _env_int("SPECMESH_DRAFT_VOCAB")
+    if args.draft_vocab is not None and kind != "model":
+        raise ValueError(f"draft_vocab: only a model drafter has a head to cut, not {kind}")
+    if head is not None and head < 0:
+        raise ValueError(f"draft_vocab: must be >= 0 (0: the whole head), got {head}")
     spec = SpecConfig(args.tree_budget, args.depth, args.fixed_shape)
     spec.validate()
     from specmesh.device import parse_dtype
@@ -159,7 +176,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if kind == "oracle":
         print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
         reference = reference_continuation(model, prompt_ids, stop)
-    drafter = make_drafter(kind, arg, model, reference, dtype=dtype)
+    drafter = make_drafter(kind, arg, model, reference, dtype=dtype, head=head if kind == "model" else None)
+    if getattr(getattr(drafter, "model", None), "weight_format", None) is not None:
+        print(f"drafter weights: {drafter.model.weight_format.describe()}", file=sys.stderr)
     threads = fit_threads(model, drafter)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     res = GenerationResult()

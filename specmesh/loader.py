@@ -367,15 +367,12 @@ def requantize_to_4bit(model: Transformer) -> Transformer:
     integer kernel, in place: fewer bytes per token where decoding is bandwidth-bound. Scales and
     offsets are rounded to fp16 (the kernel then holds them as fp16 pairs: 5 bits a weight, not 6).
     Named in the model card (`requantized`). For drafters only: it changes the numerics."""
-    from specmesh.quant import QuantLinear, quantize_int4
+    from specmesh.quant import QuantLinear, int4_linear
 
     info = model.weight_format
     for name, m in list(model.named_modules()):
         if isinstance(m, QuantLinear) and m.fmt == "gguf" and getattr(m, "bits", 0) != 4 and m.in_features % 32 == 0:
-            c = quantize_int4(m.dequantized())
-            scale = c.scale.half().float()
-            offset = (c.zero - 8 * c.scale).half().float()  # the group's minimum
-            _set_module(model, name, QuantLinear.from_codes(c.q, scale, offset, 4, m.bias))
+            _set_module(model, name, int4_linear(m.dequantized(), m.bias))
             info.requantize_shipped(m.kernel, m.source)
     return model
 
@@ -403,21 +400,34 @@ def requantize_to_8bit(model: Transformer) -> Transformer:
     return model
 
 
-def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str) -> Transformer:
+def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str, head: int | None = None) -> Transformer:
     """A drafter's model. `auto`: a GGUF drafter as a target would load (`auto_format`), and under
-    `gguf` its layers wider than 4 bits requantized to 4 (`requantize_to_4bit`): a drafter's
-    numerics only change how often its proposals are accepted, never the output, and its cost is
-    the bytes it reads per level. Any other checkpoint: whichever of 8-bit codes on the integer
-    kernel (`requantize_to_8bit`, where that kernel builds here), int4 and fp32 measured fastest
-    here on its largest Linear shape (`fastest_format`)."""
+    `gguf` its layers wider than 4 bits requantized to 4 (`requantize_to_4bit`) and its head cut to
+    `head` tokens (None: `head_cut.DEFAULT_SIZE`; 0: the whole head) plus each session's context
+    (`specmesh.drafters.head_cut`): a drafter's numerics only change how often its proposals are
+    accepted, never the output, and its cost is the bytes it reads per level. Any other
+    checkpoint: whichever of 8-bit codes on the integer kernel (`requantize_to_8bit`, where that
+    kernel builds here), int4 and fp32 measured fastest here on its largest Linear shape
+    (`fastest_format`); `head` must then be None or 0 (a cut is made from a GGUF's rows only)."""
+    p = Path(path)
+    gguf_drafter = dtype == "auto" and p.is_file() and p.suffix == ".gguf" and auto_format(p) == "gguf"
+    if head and not gguf_drafter:
+        raise ValueError("draft_vocab: a cut head is made for a GGUF drafter loaded with dtype auto, "
+                         f"as its integer kernel's 4-bit codes; {p.name} with dtype {dtype} keeps its whole head")
     if dtype != "auto":
         return load_model(path, dtype)
-    p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        fmt = auto_format(p)
-        if fmt == "gguf":
-            return packed(p, "gguf, requantized to 4 bits", lambda: requantize_to_4bit(_build_gguf(p, fmt)))
-        return load_model(p, fmt)
+        if gguf_drafter:
+            from specmesh.drafters.head_cut import DEFAULT_SIZE, cut_gguf_head
+
+            size = DEFAULT_SIZE if head is None else head
+
+            def build() -> Transformer:
+                model = requantize_to_4bit(_build_gguf(p, "gguf"))
+                return cut_gguf_head(model, p, size, list(load_tokenizer(p).added_tokens_decoder)) if size else model
+
+            return packed(p, "gguf, requantized to 4 bits" + (f", head {size}" if size else ""), build)
+        return load_model(p, auto_format(p))
     model = load_model(path, torch.float32)
     shapes = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0]
     if not shapes:
@@ -499,7 +509,8 @@ def _save_packed(model: Transformer, to: Path) -> None:
                      "attrs": {a: getattr(m, a) for a in _QUANT_ATTRS if a in m.__dict__},
                      "buffers": [b for b, t in m._buffers.items() if t is not None]}
               for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    torch.save({"layers": layers, "state": model.state_dict(), "weight_format": asdict(model.weight_format)}, to)
+    torch.save({"layers": layers, "state": model.state_dict(), "weight_format": asdict(model.weight_format),
+                "vocab_map": model.vocab_map}, to)
 
 
 def _load_packed(path: Path, blob: Path) -> Transformer:
@@ -517,6 +528,11 @@ def _load_packed(path: Path, blob: Path) -> Transformer:
     embed = next(t for t in gguf_tensors(path) if t.name == "token_embd.weight")
     model.model.embed_tokens = GGUFEmbedding(embed.data, embed.tensor_type, dim=int(embed.shape[0]))
     model.load_state_dict(state, strict=False, assign=True)
+    if saved.get("vocab_map") is not None:  # a drafter's cut head (`specmesh.drafters.head_cut`)
+        from specmesh.drafters import head_cut
+
+        model.vocab_map = saved["vocab_map"]
+        head_cut.attach(model, path)
     return _gguf_finish(model, path, inv_freq, WeightFormat(**saved["weight_format"]))
 
 

@@ -57,9 +57,9 @@ def reference_continuation(model: Transformer, prompt_ids: list[int], stop: Stop
 
 
 def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] | None = None,
-                 seed: int = 0, dtype: torch.dtype | str = torch.float32) -> Drafter | None:
-    """The drafter `kind:arg` names for `target`; a model drafter's weights as `dtype`
-    (`load_model_drafter`)."""
+                 seed: int = 0, dtype: torch.dtype | str = torch.float32, head: int | None = None) -> Drafter | None:
+    """The drafter `kind:arg` names for `target`; a model drafter's weights as `dtype`, its head
+    cut to `head` tokens (`load_model_drafter`)."""
     if kind == "none":
         return None
     if kind == "ngram":
@@ -68,7 +68,7 @@ def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] 
         assert reference is not None, "the oracle drafter needs the reference continuation"
         return OracleDrafter(reference, float(arg), target.config.vocab_size, seed=seed)
     if kind == "model":
-        drafter = load_model_drafter(arg, dtype=dtype)
+        drafter = load_model_drafter(arg, dtype=dtype, head=head)
         vocab = drafter.model.config.vocab_size
         if vocab != target.config.vocab_size:
             raise ValueError(f"drafter: vocabulary {vocab} != target's {target.config.vocab_size}")
@@ -79,14 +79,16 @@ def make_drafter(kind: str, arg: str, target: Transformer, reference: list[int] 
     raise ValueError(f"drafter: unknown kind {kind!r}")
 
 
-def load_model_drafter(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32):
+def load_model_drafter(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
+                       head: int | None = None):
     """`model:PATH`: a small causal LM (`ModelDrafter`) or, when its config says specmesh.kind =
     "feature", a feature drafter (`FeatureDrafter`, EAGLE-style); computing on `device`, weights as
-    `dtype` (`loader.load_drafter_weights`: "auto" may requantize a drafter)."""
+    `dtype` (`loader.load_drafter_weights`: "auto" may requantize a drafter and cut its head to
+    `head` tokens)."""
     from specmesh.drafters.feature import FeatureDrafter
     from specmesh.drafters.model import ModelDrafter
 
     if dtype == "auto" and torch.device(device).type != "cpu":
         dtype = torch.float32  # the quantized formats run on CPU kernels only
-    draft = place(load_drafter_weights(path, dtype), torch.device(device))
+    draft = place(load_drafter_weights(path, dtype, head), torch.device(device))
     return FeatureDrafter(draft) if draft.fc is not None else ModelDrafter(draft)

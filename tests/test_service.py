@@ -69,6 +69,8 @@ def test_environment_sets_a_setting_and_a_flag_wins(service, monkeypatch):
     ("verifier", ["--depth", "0"], "depth"),
     ("router", ["--max-tokens", "0"], "max_tokens"),
     ("drafter", ["--max-streams", "0"], "max_streams"),
+    ("drafter", ["--drafter", "model:x.gguf", "--draft-vocab", "-1"], "draft_vocab"),
+    ("drafter", ["--draft-vocab", "4096"], "draft_vocab"),  # an ngram drafter has no head
 ])
 def test_a_bad_setting_exits_naming_it(service, argv, field, capsys):
     with pytest.raises(SystemExit) as e:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.drafters.base import Children, bind_guide, children_from_probs, drafter_probs, grow_trees, node_mask
+from specmesh.drafters.head_cut import ContextVocab
 from specmesh.model import Transformer
 from specmesh.sampling import SamplingParams
 from specmesh.tree import ROOT, DraftTree
@@ -40,6 +41,10 @@ class ModelDraftSession:
         self.context = context
         self.cache = model.new_cache(len(context) + 64)
         self._slot_of: dict[tuple[int, ...], int] = {}  # last tree: path from root -> scratch slot
+        # a cut head: the context's tokens it lacks are scored beside it (kept after a rollback)
+        self._vocab = ContextVocab(model.head_cut) if model.head_cut is not None else None
+        if self._vocab is not None:
+            self._vocab.add(context)
 
     def close(self) -> None:
         self.cache = None  # type: ignore[assignment]
@@ -68,6 +73,8 @@ class ModelDraftSession:
         self.cache.commit(slots)
         self._slot_of = {}
         self.context.extend(tokens)
+        if self._vocab is not None:
+            self._vocab.add(tokens)
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
               exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
@@ -80,6 +87,7 @@ class ModelDraftSession:
         """Trees rooted at several points of the context, one forward per level for all of them:
         each node sees the context up to its own tree's root and its own ancestors."""
         cache, model = self.cache, self.model
+        extra = self._vocab.value if self._vocab is not None else None
         self._slot_of = {}
         n = len(self.context)
         low = min(roots)
@@ -90,7 +98,7 @@ class ModelDraftSession:
         cache.truncate(start)
         logits = model(
             torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
-            logits_rows=slice(low - 1 - start, None), exact=False,
+            logits_rows=slice(low - 1 - start, None), exact=False, extra_vocab=extra,
         )  # [n - low + 1, V]
         cache.commit(list(range(start, n)))
         root_probs = drafter_probs(logits, params)  # [n - low + 1, V]
@@ -111,7 +119,7 @@ class ModelDraftSession:
                 mask = node_mask(fed_paths, [roots[t] for t in fed_trees], at, slot_of, fed_trees)  # [T, S]
                 toks = torch.tensor([p[-1] for p in fed_paths])  # [T]
                 pos = torch.tensor([roots[t] - 1 + len(p) for t, p in zip(fed_trees, fed_paths)])  # [T]
-                rows = model(toks, pos, cache, at, mask, exact=False)  # [T, V]
+                rows = model(toks, pos, cache, at, mask, exact=False, extra_vocab=extra)  # [T, V]
                 probs = drafter_probs(rows, params)
                 for row, (t, path) in enumerate(zip(fed_trees, fed_paths)):
                     slot_of.setdefault((t, path), at + row)
