@@ -329,6 +329,12 @@ def _tensor_reader():
     return TensorReader
 
 
+def gguf_head(path: str | os.PathLike):
+    """The GGUF tensor that holds a model's head rows: its own, or the token embedding where the file ties them."""
+    tensors = {t.name: t for t in gguf_tensors(path)}
+    return tensors["output.weight"] if "output.weight" in tensors else tensors["token_embd.weight"]
+
+
 def _matrices(path: Path) -> list:
     return [t for t in gguf_tensors(path)
             if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))]
@@ -424,7 +430,8 @@ def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str, head
 
             def build() -> Transformer:
                 model = requantize_to_4bit(_build_gguf(p, "gguf"))
-                return cut_gguf_head(model, p, size, list(load_tokenizer(p).added_tokens_decoder)) if size else model
+                added = list(load_tokenizer(p).added_tokens_decoder)
+                return cut_gguf_head(model, gguf_head(p), size, added) if size else model
 
             return packed(p, "gguf, requantized to 4 bits" + (f", head {size}" if size else ""), build)
         return load_model(p, auto_format(p))
@@ -532,7 +539,7 @@ def _load_packed(path: Path, blob: Path) -> Transformer:
         from specmesh.drafters import head_cut
 
         model.vocab_map = saved["vocab_map"]
-        head_cut.attach(model, path)
+        head_cut.attach(model, gguf_head(path))
     return _gguf_finish(model, path, inv_freq, WeightFormat(**saved["weight_format"]))
 
 

@@ -19,8 +19,6 @@ they are (a token the drafter cannot propose is covered by the residual distribu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 # rows kept by default where the vocabulary is larger (`loader.load_drafter_weights`): the most
@@ -73,16 +71,16 @@ def kept_ids(vocab: int, size: int, added: list[int]) -> torch.Tensor:
     return torch.tensor(sorted(keep))
 
 
-def cut_gguf_head(model, path: Path, size: int, added: list[int]):
+def cut_gguf_head(model, out, size: int, added: list[int]):
     """Cut `model`'s head (a `gguf` drafter's, 4-bit codes on the integer kernel) to `kept_ids`,
-    rebuilt from the GGUF's own output rows and requantized to 4 bits as the whole head was
-    (`loader.requantize_to_4bit`); sets `model.vocab_map` and `model.head_cut` and names the cut
-    in the model card. A vocabulary no larger than `size` is left whole."""
+    rebuilt from `out`, the GGUF tensor of its rows (gguf's ReaderTensor: `loader.gguf_head`), and
+    requantized to 4 bits as the whole head was (`loader.requantize_to_4bit`); sets
+    `model.vocab_map` and `model.head_cut` and names the cut in the model card. A vocabulary no
+    larger than `size` is left whole."""
     from gguf.quants import dequantize
 
     from specmesh.quant import int4_linear
 
-    out = _output_rows(path)
     vocab, hidden = int(out.shape[1]), int(out.shape[0])
     if vocab != model.config.vocab_size or size >= vocab:
         return model
@@ -91,14 +89,14 @@ def cut_gguf_head(model, path: Path, size: int, added: list[int]):
     model.lm_head = int4_linear(w.float(), None)
     model.vocab_map = keep
     model.weight_format.head = f"{len(keep)} of {vocab} tokens, and each session's context"
-    return attach(model, path)
+    return attach(model, out)
 
 
-def attach(model, path: Path):
-    """Set `model.head_cut` for a model whose head was cut (`model.vocab_map`) from the GGUF at `path`."""
+def attach(model, out):
+    """Set `model.head_cut` for a model whose head was cut (`model.vocab_map`) from `out`, the GGUF
+    tensor of its rows."""
     from specmesh.quant import GGUFEmbedding
 
-    out = _output_rows(path)
     vocab = int(out.shape[1])
     in_head = torch.zeros(vocab, dtype=torch.bool)
     in_head[model.vocab_map] = True
@@ -120,10 +118,3 @@ class _Int4Rows(torch.nn.Module):
 
         return int4_weights(self.rows(ids))  # [N, hidden]
 
-
-def _output_rows(path: Path):
-    """The GGUF tensor that holds the head's rows: its own, or the token embedding where the file ties them."""
-    from specmesh.loader import gguf_tensors
-
-    tensors = {t.name: t for t in gguf_tensors(path)}
-    return tensors.get("output.weight") or tensors["token_embd.weight"]
