@@ -145,14 +145,16 @@ def test_wire_format_round_trips_and_names_the_field():
 def test_greedy_lossless_and_sampling_reproducible(trained):
     """Greedy output equals target-only decoding. Sampling is lossless in distribution (the
     drafter's q is exact, `children_from_probs`; tested statistically in test_sampling.py for any
-    drafter), and with a seed the same run gives the same tokens."""
+    drafter), and with a seed the same run gives the same tokens. The greedy run drafts a fixed
+    shape: for a pair this tiny the planner may rightly find one-row steps faster (it did on a
+    loaded host, its costs measured then), and the claim here is about the drafter's trees."""
     target, examples, *_, out = trained
     drafter = load_model_drafter(str(out))
     for k in (3, 5):
         prompt = examples[k]["tokens"][:6].tolist()
         stop = StopConditions(20)
         plain = generate(target, prompt, SamplingParams(), stop).token_ids
-        res = generate(target, prompt, SamplingParams(), stop, drafter, SpecConfig(6, 3))
+        res = generate(target, prompt, SamplingParams(), stop, drafter, SpecConfig(6, 3, fixed=True))
         assert res.token_ids == plain and res.stats.accepted_tokens > 0
         seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
         a = generate(target, prompt, seeded, stop, drafter, SpecConfig(6, 3)).token_ids
