@@ -176,7 +176,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if kind == "oracle":
         print("oracle drafter: computing the target's own continuation first", file=sys.stderr)
         reference = reference_continuation(model, prompt_ids, stop)
-    drafter = make_drafter(kind, arg, model, reference, dtype=dtype, head=head if kind == "model" else None)
+    drafter = make_drafter(kind, arg, model, reference, dtype=dtype, head=head)
     if getattr(getattr(drafter, "model", None), "weight_format", None) is not None:
         print(f"drafter weights: {drafter.model.weight_format.describe()}", file=sys.stderr)
     threads = fit_threads(model, drafter)

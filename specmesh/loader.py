@@ -329,10 +329,11 @@ def _tensor_reader():
     return TensorReader
 
 
-def gguf_head(path: str | os.PathLike):
-    """The GGUF tensor that holds a model's head rows: its own, or the token embedding where the file ties them."""
-    tensors = {t.name: t for t in gguf_tensors(path)}
-    return tensors["output.weight"] if "output.weight" in tensors else tensors["token_embd.weight"]
+def head_tensor(tensors: list):
+    """Of a GGUF's tensors (`gguf_tensors`), the one that holds the head's rows: its own, or the
+    token embedding where the file ties them."""
+    named = {t.name: t for t in tensors}
+    return named["output.weight"] if "output.weight" in named else named["token_embd.weight"]
 
 
 def _matrices(path: Path) -> list:
@@ -416,25 +417,26 @@ def load_drafter_weights(path: str | os.PathLike, dtype: torch.dtype | str, head
     kernel builds here), int4 and fp32 measured fastest here on its largest Linear shape
     (`fastest_format`); `head` must then be None or 0 (a cut is made from a GGUF's rows only)."""
     p = Path(path)
-    gguf_drafter = dtype == "auto" and p.is_file() and p.suffix == ".gguf" and auto_format(p) == "gguf"
-    if head and not gguf_drafter:
+    is_gguf = p.is_file() and p.suffix == ".gguf"
+    fmt = auto_format(p) if dtype == "auto" and is_gguf else None
+    if head and fmt != "gguf":
         raise ValueError("draft_vocab: a cut head is made for a GGUF drafter loaded with dtype auto, "
                          f"as its integer kernel's 4-bit codes; {p.name} with dtype {dtype} keeps its whole head")
     if dtype != "auto":
         return load_model(path, dtype)
-    if p.is_file() and p.suffix == ".gguf":
-        if gguf_drafter:
-            from specmesh.drafters.head_cut import DEFAULT_SIZE, cut_gguf_head
+    if is_gguf:
+        if fmt != "gguf":
+            return load_model(p, fmt)
+        from specmesh.drafters.head_cut import DEFAULT_SIZE, cut_gguf_head
 
-            size = DEFAULT_SIZE if head is None else head
+        size = DEFAULT_SIZE if head is None else head
 
-            def build() -> Transformer:
-                model = requantize_to_4bit(_build_gguf(p, "gguf"))
-                added = list(load_tokenizer(p).added_tokens_decoder)
-                return cut_gguf_head(model, gguf_head(p), size, added) if size else model
+        def build() -> Transformer:
+            model = requantize_to_4bit(_build_gguf(p, "gguf"))
+            added = list(load_tokenizer(p).added_tokens_decoder)
+            return cut_gguf_head(model, head_tensor(gguf_tensors(p)), size, added) if size else model
 
-            return packed(p, "gguf, requantized to 4 bits" + (f", head {size}" if size else ""), build)
-        return load_model(p, auto_format(p))
+        return packed(p, "gguf, requantized to 4 bits" + (f", head {size}" if size else ""), build)
     model = load_model(path, torch.float32)
     shapes = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0]
     if not shapes:
@@ -532,14 +534,15 @@ def _load_packed(path: Path, blob: Path) -> Transformer:
         for b in spec["buffers"]:
             m.register_buffer(b, state.pop(f"{name}.{b}"))
         _set_module(model, name, m)
-    embed = next(t for t in gguf_tensors(path) if t.name == "token_embd.weight")
+    tensors = gguf_tensors(path)
+    embed = next(t for t in tensors if t.name == "token_embd.weight")
     model.model.embed_tokens = GGUFEmbedding(embed.data, embed.tensor_type, dim=int(embed.shape[0]))
     model.load_state_dict(state, strict=False, assign=True)
     if saved.get("vocab_map") is not None:  # a drafter's cut head (`specmesh.drafters.head_cut`)
         from specmesh.drafters import head_cut
 
         model.vocab_map = saved["vocab_map"]
-        head_cut.attach(model, gguf_head(path))
+        head_cut.attach(model, head_tensor(tensors))
     return _gguf_finish(model, path, inv_freq, WeightFormat(**saved["weight_format"]))
 
 

@@ -443,7 +443,7 @@ class Transformer(nn.Module):
         full[:, self.vocab_map] = logits
         row = 0
         for n, extra in parts:
-            if extra is not None and extra[0].numel():
+            if extra is not None:
                 ids, weight = extra
                 full[row:row + n, ids] = x[row:row + n].float() @ weight.t()
             row += n

@@ -31,8 +31,6 @@ class HeadCut:
     """What a cut head leaves out, for the sessions to score their own context beside it."""
     in_head: torch.Tensor  # [vocab] bool: the token has a row in the cut head
     rows: torch.nn.Module  # ids [N] -> [N, hidden] fp32: rows of the whole head, as the cut head holds its own
-    size: int  # rows in the cut head
-    vocab: int  # rows in the whole head
 
 
 class ContextVocab:
@@ -47,7 +45,7 @@ class ContextVocab:
         self._value: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, tokens: list[int]) -> None:
-        new = sorted({t for t in tokens if t not in self._seen and 0 <= t < self.cut.vocab})
+        new = sorted({t for t in tokens if t not in self._seen and 0 <= t < len(self.cut.in_head)})
         self._seen.update(new)
         new = [t for t in new if not self.cut.in_head[t]]
         if new:
@@ -73,7 +71,7 @@ def kept_ids(vocab: int, size: int, added: list[int]) -> torch.Tensor:
 
 def cut_gguf_head(model, out, size: int, added: list[int]):
     """Cut `model`'s head (a `gguf` drafter's, 4-bit codes on the integer kernel) to `kept_ids`,
-    rebuilt from `out`, the GGUF tensor of its rows (gguf's ReaderTensor: `loader.gguf_head`), and
+    rebuilt from `out`, the GGUF tensor of its rows (gguf's ReaderTensor: `loader.head_tensor`), and
     requantized to 4 bits as the whole head was (`loader.requantize_to_4bit`); sets
     `model.vocab_map` and `model.head_cut` and names the cut in the model card. A vocabulary no
     larger than `size` is left whole."""
@@ -100,8 +98,7 @@ def attach(model, out):
     vocab = int(out.shape[1])
     in_head = torch.zeros(vocab, dtype=torch.bool)
     in_head[model.vocab_map] = True
-    model.head_cut = HeadCut(in_head, _Int4Rows(GGUFEmbedding(out.data, out.tensor_type, dim=int(out.shape[0]))),
-                             len(model.vocab_map), vocab)
+    model.head_cut = HeadCut(in_head, _Int4Rows(GGUFEmbedding(out.data, out.tensor_type, dim=int(out.shape[0]))))
     return model
 
 
