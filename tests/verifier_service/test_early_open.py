@@ -58,7 +58,9 @@ def test_the_drafter_session_opens_before_the_prefill_only_beside_it(served, mon
     monkeypatch.setattr(turns, "TargetSession", Recorded)
     ids = encode_prompt(tok, "Name three colours.", chat=True)
     stop = StopConditions(24, frozenset())
-    turn = turns.Turn(sid, ids, SamplingParams(), stop, address, SpecConfig(), pipelined, 5.0,
+    # a tree every step: for a drafter as big as its target the planner may rightly plan one-row steps
+    spec = SpecConfig(fixed=True)
+    turn = turns.Turn(sid, ids, SamplingParams(), stop, address, spec, pipelined, 5.0,
                       derive_deadline=True, shares_cores=shares_cores)
     out = turns.Outcome()
     got = [t for c in verifier.run(turn, lambda: True, out) for t in c.token_ids]
@@ -70,7 +72,7 @@ def test_the_drafter_session_opens_before_the_prefill_only_beside_it(served, mon
     # the next turn of the session extends the same drafter session
     drafts = verifier.sessions._sessions[sid].drafts
     more = [t for c in verifier.run(turns.Turn(sid, [tok.eos_token_id], SamplingParams(), StopConditions(8, frozenset()),
-                                               address, SpecConfig(), pipelined, 5.0, shares_cores=shares_cores),
+                                               address, spec, pipelined, 5.0, shares_cores=shares_cores),
                                     lambda: True, turns.Outcome()) for t in c.token_ids]
     assert len(more) == 8 and verifier.sessions._sessions[sid].drafts is drafts and seen == [early]
 
