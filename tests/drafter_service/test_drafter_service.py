@@ -594,7 +594,9 @@ def model(request, tmp_path_factory) -> tuple[Service, Path]:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_llama")
     LlamaForCausalLM(cfg).save_pretrained(path)
-    return _service(request, tmp_path_factory, "--drafter", f"model:{path}"), path
+    # fp32 as the test's own copy: under --dtype auto a drafter may take a faster format that
+    # changes its numerics (q8 on some hosts), and a random model's near-tied siblings with them
+    return _service(request, tmp_path_factory, "--drafter", f"model:{path}", "--dtype", "float32"), path
 
 
 def test_model_drafter_greedy_and_sampling(model) -> None:
