@@ -62,6 +62,7 @@ CROSS_FORGET = 0.995  # ... and this much less with every later one of another k
 # its prediction stacks more estimates (hit odds, the overlapped verification, its kind's period
 # ratio), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
 OVERLAP_MARGIN = 0.05
+LINK_WINDOW = 15  # link samples the estimate is the median of
 PLAIN, SPECULATIVE, OVERLAPPED = PERIOD_KINDS = ("plain", "speculative", "overlapped")
 
 
@@ -243,11 +244,12 @@ class Costs:
     # the same while the drafter predrafted beside it: on a CPU the two share memory bandwidth
     # (and maybe a core), so an overlapped verification can cost more than one alone
     verify_overlapped: LinearCost = field(default_factory=lambda: RowCost((0.02, 0.002)))
-    link_s: float = 0.002
+    link_s: float = 0.002  # the median of the last LINK_WINDOW samples (`add_link`)
     verify_points: tuple[tuple[int, float], ...] = ()  # the verifier's calibration, as last taken
     # per kind of PERIOD_KINDS (`add_period`): decayed sums [measured period, the plans' predicted
     # period, steps counted]
     _periods: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0, 0.0, 0.0] for k in PERIOD_KINDS})
+    _links: list[float] = field(default_factory=list)
 
     def set_verify_cost(self, points) -> None:
         """The verifier's own steps measured at its start, (rows, seconds): the shape of both
@@ -311,8 +313,13 @@ class Costs:
         return (n * measured / predicted + PERIOD_PRIOR) / (n + PERIOD_PRIOR)
 
     def add_link(self, seconds: float) -> None:
+        """One window's link share. The estimate is a median, not a mean: one window that held
+        something else (a verifier's prefill, a pause of the host) once put a mean at 50-70x the
+        link for a dozen steps, and every tree was priced that much dearer."""
         if seconds >= 0 and math.isfinite(seconds):
-            self.link_s = 0.8 * self.link_s + 0.2 * seconds
+            self._links.append(seconds)
+            del self._links[:-LINK_WINDOW]
+            self.link_s = median(self._links)
 
 
 @dataclass

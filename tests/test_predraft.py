@@ -867,3 +867,73 @@ def test_a_planned_tree_that_comes_out_empty_is_not_a_plain_run(fixed: bool) -> 
     for bonus in range(100, 112):  # tokens never seen: no candidate after them
         st = ahead.commit(st.step, [], bonus, 4, 4)
         assert not st.tree.tokens and st.plain == 0
+
+
+def test_a_turns_first_window_and_one_outlier_leave_the_link_as_measured() -> None:
+    """The first tree of a turn goes out before the verifier prefills the turn's tokens: its window
+    holds that prefill and is no link sample. The link is the median of recent windows (less the
+    verification): one window that held something else (a pause of the host) does not move it."""
+    import time
+
+    ahead = DraftAhead(_Counting(list(range(14))), 14, GREEDY, pipelined=False, costs=eager(), fixed=True)
+    st = ahead.first(4, 4)
+
+    def commit(step: int, window: float):
+        h = [st.tree.tokens[i] for i in main_path(st.tree)]
+        return ahead.commit(step, h, 99, 4, 4, arrived_at=time.perf_counter() + window, verify_s=0.01)
+
+    st = commit(0, 1.0)  # the turn's first: a second of prefill in its window
+    assert ahead.costs.link_s == Costs().link_s
+    for step in range(1, 6):
+        st = commit(step, 0.03)
+    assert 0.015 < ahead.costs.link_s < 0.025, ahead.costs.link_s
+    st = commit(6, 2.0)  # a window that held something else
+    assert 0.015 < ahead.costs.link_s < 0.025, ahead.costs.link_s
+    samples = len(ahead.costs._links)
+    st = ahead.extend([5, 6, 7], 4, 4)  # a new turn: its first window holds its prefill
+    st = commit(8, 3.0)
+    assert len(ahead.costs._links) == samples
+    st = commit(9, 0.03)
+    assert len(ahead.costs._links) == samples + 1 and 0.015 < ahead.costs.link_s < 0.025
+
+
+def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) -> None:
+    """A plain run's tokens come back in one extension. The drafter feeds them then, in a call of
+    their own, counted in the run's period (the run's plan priced feeding them): the probe tree
+    after it is drafted by a call that feeds nothing behind, as its plan priced it."""
+    from specmesh.drafters.model import ModelDrafter
+    from specmesh.planner import PLAIN
+
+    timed = []
+    add = DraftAhead._add_draft_cost
+    monkeypatch.setattr(DraftAhead, "_add_draft_cost",
+                        lambda self, trees, seconds, behind, many=False: timed.append(behind)
+                        or add(self, trees, seconds, behind, many))
+    costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
+    recent = Acceptance()
+    recent.tried[0][0], recent.accepted[0][0] = 100.0, 50.0
+    ctx = [3, 14, 15, 9, 26, 5]
+    ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=False, costs=costs,
+                       recent=recent)
+    st = ahead.first(8, 4)
+    assert not st.tree.tokens
+    probe = ahead.extend([7] * st.plain, 8, 4, same_turn=True)
+    assert probe.tree.tokens and timed == [0]
+    run = ahead.commit(probe.step, [], 7, 8, 4, arrived_at=100.0, verify_s=0.01)
+    assert not run.tree.tokens
+    slept = []
+    draft = ahead.session.draft
+
+    def slow_feed(budget, depth, *args, **kwargs):
+        if budget == 0 and ahead.session.behind:
+            slept.append(ahead.session.behind)
+            time.sleep(0.05)
+        return draft(budget, depth, *args, **kwargs)
+
+    import time
+
+    monkeypatch.setattr(ahead.session, "draft", slow_feed)
+    probe = ahead.extend([7] * run.plain, 8, 4, same_turn=True, arrived_at=101.0)
+    assert probe.tree.tokens and timed == [0, 0] and slept == [run.plain]
+    measured, predicted, n = ahead.costs._periods[PLAIN]
+    assert n == 1 and measured >= 1.05

@@ -166,6 +166,9 @@ class DraftAhead:
         self._probe: Plan | None = None  # the last plan made as a probe
         self._probed = False  # the tree last sent was a probe's
         self._prompt_fed = False  # whether the session has fed the turn's context (the prompt) yet
+        # the tree last sent is a turn's first: the verifier may prefill the turn's tokens before it
+        # verifies it, so its window says nothing of the link, nor its period of a step
+        self._turn_start = True
 
     def first(self, budget: int, depth: int) -> StepTree:
         with self._lock:
@@ -228,10 +231,7 @@ class DraftAhead:
         with self._lock:
             self._check_open()
             arrived = time.perf_counter() if arrived_at is None else arrived_at
-            if same_turn and self._tree is not None and not self._tree.tokens:
-                self._measure_period(arrived, len(tokens))  # the plain run the empty tree asked for
-            else:
-                self._period_from = arrived  # a new turn: the time since the last step was not a step
+            plain_run = same_turn and self._tree is not None and not self._tree.tokens
             if not same_turn:
                 self.guide = turn_guide(self.params, (keep or self.position) + len(tokens), grammar)
             keep = keep or self.position
@@ -243,6 +243,22 @@ class DraftAhead:
             self.session.commit(list(tokens), features)
             self.position = keep + len(tokens)
             self._held = 0
+            if plain_run:  # the run the empty tree asked for
+                if self._prompt_fed and self._behind() > 0:
+                    # its tokens are fed now, in a call of their own, and the run's period holds it: the
+                    # run's plan priced feeding them, the tree after it prices its own drafting (fed in
+                    # that tree's call, a 32-step run's tokens once made the trees' kinds look 1.5x
+                    # slower than planned, and predrafting stayed off for the rest of the process)
+                    t = time.perf_counter()
+                    self.session.draft(0, 0, self.params, self.generator)
+                    arrived += time.perf_counter() - t
+                self._measure_period(arrived, len(tokens))
+                self._turn_start = False  # the turn's tokens are in: the next window is a step's
+            elif same_turn:
+                self._period_from = arrived  # tokens of this turn from elsewhere: a step begins now
+            else:  # a new turn: the time since the last step was not a step, nor is the first one's
+                self._period_from = None  # (the verifier prefills the turn's tokens in its window)
+                self._turn_start = True
             self._prompt_fed = self._prompt_fed and same_turn
             return self._send_fresh(budget, depth)
 
@@ -365,7 +381,9 @@ class DraftAhead:
         if verify_s > 0:
             fit = self.costs.verify_overlapped if self._overlapped else self.costs.verify
             fit.add((1.0, 1.0 + len(self._tree)), verify_s)
-            self.costs.add_link(arrived - self._sent_at - verify_s)
+            if not self._turn_start:
+                self.costs.add_link(arrived - self._sent_at - verify_s)
+        self._turn_start = False
 
     def _measure_period(self, arrived: float, steps: int) -> None:
         """The step of the tree last sent (`steps` one-row steps for a plain run) took from the
