@@ -408,3 +408,29 @@ def test_measure_steps_prices_a_row_count_as_a_run_of_its_steps(monkeypatch) -> 
     monkeypatch.setattr(engine.TargetSession, "step", slow_after_a_change)
     points = dict(engine.measure_steps(Transformer(cfg, inv_freq).eval(), rows=(1, 2, 3), rounds=2))
     assert max(points.values()) < 0.04, points
+
+
+def test_measure_steps_never_prices_a_row_count_above_a_larger_one(monkeypatch) -> None:
+    """Noise comes in spells: one row count's run timed during one (here: every step of 2 rows in
+    the first pass) is priced at its second pass, and a row count is never priced above a larger
+    one, which does more of the same work."""
+    import specmesh.engine as engine
+    from specmesh.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    step, seen = engine.TargetSession.step, []
+
+    def spells(self, tree, *args, **kwargs):
+        seen.append(len(tree) + 1)
+        if seen.count(len(tree) + 1) <= 4 and len(tree) + 1 == 2:
+            time.sleep(0.05)  # the first pass's run of 2-row steps, in a spell of noise
+        if len(tree) + 1 == 3:
+            time.sleep(0.03)  # 3 rows: always slower than 4 here, as no kernel is
+        return step(self, tree, *args, **kwargs)
+
+    monkeypatch.setattr(engine.TargetSession, "step", spells)
+    points = dict(engine.measure_steps(Transformer(cfg, inv_freq).eval(), rows=(1, 2, 3, 4), rounds=2))
+    assert points[2] < 0.03 and points[3] <= points[4] < 0.03, points
