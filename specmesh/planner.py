@@ -257,9 +257,17 @@ class Costs:
         points = tuple((int(r), float(s)) for r, s in points)
         if not points or points == self.verify_points:
             return
+        before = self.one_row_s() if self.verify_points else 0.0
         self.verify_points = points
         for fit in (self.verify, self.verify_overlapped):
             fit.fit_shape([((1.0, float(r)), s) for r, s in points])
+        if before > 0:
+            # plain runs were predicted from the old one-row point, and their period ratio holds the
+            # error of that point; the verifier corrected it (its live steps): the plain periods'
+            # predictions are restated at the new point, so the correction is not counted twice (a
+            # start-up point of 7 ms against 11 live once left plain runs priced 1.3x, and a SmolLM2
+            # session drafted one-node trees that lost to the plain steps it priced too dear)
+            self._periods[PLAIN][1] *= self.one_row_s() / before
 
     def verify_s(self, rows: float, overlapped: bool) -> float:
         """A verification's cost by rows, overlapped with predrafting or not (each fit stands in for

@@ -520,3 +520,17 @@ def test_plain_runs_and_trees_are_each_judged_by_their_measured_periods() -> Non
     assert costs.period_ratio(PLAIN) == pytest.approx(0.9, rel=0.05)
     again = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=8)
     assert again.budget == 0 and again.step_s == pytest.approx(again.predicted_s * costs.period_ratio(PLAIN))
+
+
+def test_a_corrected_one_row_point_is_not_counted_twice_in_the_plain_ratio() -> None:
+    """Plain runs measured 1.5x their prediction from a one-row point the verifier then corrects by
+    its live steps: the plain periods' predictions are restated at the new point, so the plain
+    ratio no longer holds the error that the point itself now carries."""
+    costs = Costs()
+    costs.set_verify_cost([(1, 0.010), (3, 0.015)])
+    for _ in range(8):
+        costs.add_period(PLAIN, 16 * costs.one_row_s(), 16 * 0.015)
+    assert costs.period_ratio(PLAIN) > 1.35
+    costs.set_verify_cost([(1, 0.015), (3, 0.020)])
+    assert costs.one_row_s() == pytest.approx(0.015)
+    assert costs.period_ratio(PLAIN) == pytest.approx(1.0, abs=0.01)
