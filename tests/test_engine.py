@@ -263,13 +263,8 @@ def test_cli_bad_flag_is_a_clear_error():
 
 def test_measure_steps_times_each_row_count() -> None:
     from specmesh.engine import STEP_ROWS, measure_steps
-    from specmesh.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=False, max_position_embeddings=256)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
-    points = measure_steps(Transformer(cfg, inv_freq).eval(), rounds=2)
+    points = measure_steps(_tiny_target(), rounds=2)
     assert [r for r, _ in points] == list(STEP_ROWS)
     assert all(0 < s < 5 for _, s in points)
 
@@ -361,15 +356,10 @@ def test_rollback_to_a_prefix_continues_as_a_session_started_there() -> None:
     the next of n samples): extending the rolled-back session gives the logits, next tokens and
     kept target features of a session prefilled from that prefix."""
     from specmesh.engine import TargetSession
-    from specmesh.model import ModelConfig, Transformer
     from specmesh.sampling import make_generator
 
     torch.manual_seed(3)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=False, max_position_embeddings=256)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
-    model = Transformer(cfg, inv_freq).eval()
+    model = _tiny_target()
     prompt, params = [5, 9, 2, 7, 1, 3], SamplingParams()
     held = TargetSession(model, prompt, features=True)
     for _ in range(4):
@@ -391,12 +381,7 @@ def test_measure_steps_prices_a_row_count_as_a_run_of_its_steps(monkeypatch) -> 
     rows). The first step after a change of rows may cost more (caches hold the last shape's
     weights): measured in turn, every row count was priced at that cost, one row most of all."""
     import specmesh.engine as engine
-    from specmesh.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=False, max_position_embeddings=256)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
     step, last = engine.TargetSession.step, []
 
     def slow_after_a_change(self, tree, *args, **kwargs):
@@ -406,7 +391,7 @@ def test_measure_steps_prices_a_row_count_as_a_run_of_its_steps(monkeypatch) -> 
         return step(self, tree, *args, **kwargs)
 
     monkeypatch.setattr(engine.TargetSession, "step", slow_after_a_change)
-    points = dict(engine.measure_steps(Transformer(cfg, inv_freq).eval(), rows=(1, 2, 3), rounds=2))
+    points = dict(engine.measure_steps(_tiny_target(), rows=(1, 2, 3), rounds=2))
     assert max(points.values()) < 0.04, points
 
 
@@ -415,12 +400,7 @@ def test_measure_steps_never_prices_a_row_count_above_a_larger_one(monkeypatch) 
     the first pass) is priced at its second pass, and a row count is never priced above a larger
     one, which does more of the same work."""
     import specmesh.engine as engine
-    from specmesh.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=False, max_position_embeddings=256)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
     step, seen = engine.TargetSession.step, []
 
     def spells(self, tree, *args, **kwargs):
@@ -432,5 +412,16 @@ def test_measure_steps_never_prices_a_row_count_above_a_larger_one(monkeypatch) 
         return step(self, tree, *args, **kwargs)
 
     monkeypatch.setattr(engine.TargetSession, "step", spells)
-    points = dict(engine.measure_steps(Transformer(cfg, inv_freq).eval(), rows=(1, 2, 3, 4), rounds=2))
+    points = dict(engine.measure_steps(_tiny_target(), rows=(1, 2, 3, 4), rounds=2))
     assert points[2] < 0.03 and points[3] <= points[4] < 0.03, points
+
+
+def _tiny_target():
+    """A 2-layer target of random weights (seeded by the caller where its output matters)."""
+    from specmesh.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    return Transformer(cfg, inv_freq).eval()

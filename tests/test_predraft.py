@@ -736,6 +736,21 @@ def test_statistical_test_catches_a_wrong_q_after_rerooting(monkeypatch: pytest.
     assert _p_values(counts, after_hit)[1] < 1e-6
 
 
+def _plain_prone(tiny_model, pipelined: bool):
+    """A session under costs where the verifier's one-row step beats every tree (a level of
+    drafting takes a second), with evidence that half the drafted tokens are accepted: (ahead,
+    costs, recent, context)."""
+    from specmesh.drafters.model import ModelDrafter
+
+    costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
+    recent = Acceptance()
+    recent.tried[0][0], recent.accepted[0][0] = 100.0, 50.0
+    ctx = [3, 14, 15, 9, 26, 5]
+    ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
+                       recent=recent)
+    return ahead, costs, recent, ctx
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined: bool) -> None:
     """Costs under which the verifier's one-row step beats every tree (a level of drafting takes
@@ -748,12 +763,7 @@ def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined:
     probe's draft feeds them."""
     from specmesh.drafters.model import ModelDrafter
 
-    costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
-    recent = Acceptance()
-    recent.tried[0][0], recent.accepted[0][0] = 100.0, 50.0
-    ctx = [3, 14, 15, 9, 26, 5]
-    ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
-                       recent=recent)
+    ahead, costs, recent, ctx = _plain_prone(tiny_model, pipelined)
     st = ahead.first(8, 4)
     assert not st.tree.tokens and st.plain == predraft.PROBE_EVERY
     assert ahead.wants_predraft == (pipelined and ahead.session.behind > 0)
@@ -901,7 +911,6 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
     """A plain run's tokens come back in one extension. The drafter feeds them then, in a call of
     their own, counted in the run's period (the run's plan priced feeding them): the probe tree
     after it is drafted by a call that feeds nothing behind, as its plan priced it."""
-    from specmesh.drafters.model import ModelDrafter
     from specmesh.planner import PLAIN
 
     timed = []
@@ -909,12 +918,7 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
     monkeypatch.setattr(DraftAhead, "_add_draft_cost",
                         lambda self, trees, seconds, behind, many=False: timed.append(behind)
                         or add(self, trees, seconds, behind, many))
-    costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
-    recent = Acceptance()
-    recent.tried[0][0], recent.accepted[0][0] = 100.0, 50.0
-    ctx = [3, 14, 15, 9, 26, 5]
-    ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=False, costs=costs,
-                       recent=recent)
+    ahead = _plain_prone(tiny_model, pipelined=False)[0]
     st = ahead.first(8, 4)
     assert not st.tree.tokens
     probe = ahead.extend([7] * st.plain, 8, 4, same_turn=True)
