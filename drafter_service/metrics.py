@@ -39,8 +39,9 @@ class DrafterMetrics:
         r.add(Gauge(PREFIX + "sessions", "Sessions held by the service.", sessions))
 
     def watch_planner(self, costs: Costs, recent: Acceptance) -> None:
-        """Export what the planner weighs: the costs this process measured and the acceptance of
-        its recent sessions (per depth and sibling rank, where tried)."""
+        """Export what the planner weighs: the costs this process measured (the verifications, the
+        link and step periods per verifier: `verifier` is the key it sent, "" for none) and the
+        acceptance of its recent sessions (per depth and sibling rank, where tried)."""
         r = self.registry
         terms = {"level": 0, "row": 1, "fed": 2, "call": 3}
         r.add(Gauge(PREFIX + "draft_cost_seconds",
@@ -49,17 +50,18 @@ class DrafterMetrics:
                              for k, i in terms.items()}, ("call", "term")))
         r.add(Gauge(PREFIX + "verify_cost_seconds",
                     "Predicted target verification step (alone or beside a predraft) by rows (pending token + "
-                    "tree nodes), at the row counts the verifiers measured, as live steps rescaled them.",
-                    lambda: {(when, str(rows)): fit(1.0, rows) for when, fit in (("alone", costs.verify),
-                                                                                ("overlapped", costs.verify_overlapped))
-                             for rows in [r for r, _ in costs.verify_points] or STEP_ROWS}, ("when", "rows")))
-        r.add(Gauge(PREFIX + "link_seconds", "Measured window from sending a tree to its commit, less the verification.",
-                    lambda: costs.link_s))
+                    "tree nodes), per verifier, at the row counts it measured, as live steps rescaled them.",
+                    lambda: {(v, when, str(rows)): fit(1.0, rows) for v, c in costs.by_verifier()
+                             for when, fit in (("alone", c.verify), ("overlapped", c.verify_overlapped))
+                             for rows in [r for r, _ in c.verify_points] or STEP_ROWS}, ("verifier", "when", "rows")))
+        r.add(Gauge(PREFIX + "link_seconds",
+                    "Measured window from sending a tree to its commit, less the verification, per verifier.",
+                    lambda: {(v,): c.link_s for v, c in costs.by_verifier()}, ("verifier",)))
         r.add(Gauge(PREFIX + "step_period_ratio",
-                    "Measured step periods over the planner's predictions, by the kind of plan: plain runs, "
-                    "speculative steps, steps with drafting beside the verification (overlapped).",
-                    lambda: {(kind,): costs.period_ratio(kind) for kind in PERIOD_KINDS},
-                    ("kind",)))
+                    "Measured step periods over the planner's predictions, per verifier and kind of plan: plain "
+                    "runs, speculative steps, steps with drafting beside the verification (overlapped).",
+                    lambda: {(v, kind): c.period_ratio(kind) for v, c in costs.by_verifier() for kind in PERIOD_KINDS},
+                    ("verifier", "kind")))
         r.add(Gauge(PREFIX + "acceptance", "Recent sessions' acceptance given the parent accepted and elder siblings not.",
                     lambda: {(str(d + 1), str(k)): recent.rate(d + 1, k) for d in range(len(recent.tried))
                              for k in range(len(recent.tried[d])) if recent.tried[d][k] > 0}, ("depth", "rank")))

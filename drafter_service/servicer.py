@@ -72,8 +72,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                  costs: Costs | None = None, recent: Acceptance | None = None,
                  max_context_tokens: int | None = None, grammars=None) -> None:
         """`vocab_size`: token ids must be below it; None (ngram) accepts any id >= 0. `costs`,
-        `recent`: what this process measured (drafting, verifications reported, the link) and the
-        acceptance of its recent sessions, shared by every session's planner. `max_context_tokens`:
+        `recent`: what this process measured (drafting; per verifier, `Costs.of_verifier`: its
+        verifications reported, the link, step periods) and the acceptance of its recent sessions,
+        shared by every session's planner. `max_context_tokens`:
         a request that would make a session hold more is refused (the session is closed).
         `grammars`: a `specmesh.grammar.Grammars` over the target's tokenizer, or None (no pruning)."""
         self.grammars = grammars
@@ -173,10 +174,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         features = self._features(o.features, len(context) - 1)
         if any(pt.rows < 1 or not pt.seconds > 0 for pt in o.verify_cost):
             raise RequestError("verify_cost: every point needs rows >= 1 and seconds > 0")
-        self.costs.set_verify_cost([(pt.rows, pt.seconds) for pt in o.verify_cost])
+        costs = self.costs.of_verifier(o.verifier)  # the drafting costs shared, the verifier's its own
+        costs.set_verify_cost([(pt.rows, pt.seconds) for pt in o.verify_cost])
         grammar = self._grammar(o)
         session = DraftAhead(self.drafter.open(context, features), len(context), params, o.pipelined,
-                             push=o.pipelined and o.push_predrafts, costs=self.costs, recent=self.recent,
+                             push=o.pipelined and o.push_predrafts, costs=costs, recent=self.recent,
                              fixed=o.fixed_shape, grammar=grammar, sharing=self.store.busy,
                              shares_cores=o.shares_cores)
         try:

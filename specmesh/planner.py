@@ -42,6 +42,9 @@ than not" is worth more than a predicted near-tie. This module knows nothing of 
 from __future__ import annotations
 
 import math
+import threading
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from statistics import median
@@ -63,6 +66,7 @@ CROSS_FORGET = 0.995  # ... and this much less with every later one of another k
 # ratio), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
 OVERLAP_MARGIN = 0.05
 LINK_WINDOW = 15  # link samples the estimate is the median of
+MAX_VERIFIERS = 64  # verifiers whose costs a drafter keeps apart (`Costs.of_verifier`; least recently opened out)
 PLAIN, SPECULATIVE, OVERLAPPED = PERIOD_KINDS = ("plain", "speculative", "overlapped")
 
 
@@ -200,6 +204,7 @@ class StepTable:
     def __init__(self, points) -> None:
         self.start = {int(r): float(s) for r, s in points}
         self.live: dict[int, list[float]] = {r: [] for r in self.start}
+        self.key = uuid.uuid4().hex  # names the verifier it is sent for (`OpenSession.verifier`)
 
     def add(self, rows: int, seconds: float) -> None:
         samples = self.live.get(int(rows))
@@ -250,6 +255,31 @@ class Costs:
     # period, steps counted]
     _periods: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0, 0.0, 0.0] for k in PERIOD_KINDS})
     _links: list[float] = field(default_factory=list)
+    _verifiers: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)  # key -> Costs (`of_verifier`)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def of_verifier(self, key: str) -> "Costs":
+        """The costs of the sessions of the verifier named `key` (`OpenSession.verifier`): this
+        process's drafting fits, shared (its own calls cost what they cost whoever asked), and that
+        verifier's own verification, link and step periods. A drafter serving several verifiers
+        (pods on other hardware; a pipelined and a taking-turns one) otherwise priced every tree by
+        whichever verifier opened a session last, and refitted its verification to that one's
+        points at every open, losing the live scale. An empty key: these costs themselves."""
+        if not key:
+            return self
+        with self._lock:
+            costs = self._verifiers.pop(key, None) or Costs(draft=self.draft, draft_many=self.draft_many)
+            self._verifiers[key] = costs
+            while len(self._verifiers) > MAX_VERIFIERS:
+                self._verifiers.popitem(last=False)
+            return costs
+
+    def by_verifier(self) -> list[tuple[str, "Costs"]]:
+        """(key, costs) of each verifier whose sessions were planned here ("": sessions that named
+        none, listed while there are such, or no others)."""
+        with self._lock:
+            named = list(self._verifiers.items())
+        return ([("", self)] if self.verify_known or not named else []) + named
 
     def set_verify_cost(self, points) -> None:
         """The verifier's own steps measured at its start, (rows, seconds): the shape of both

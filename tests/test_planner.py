@@ -534,3 +534,31 @@ def test_a_corrected_one_row_point_is_not_counted_twice_in_the_plain_ratio() -> 
     costs.set_verify_cost([(1, 0.015), (3, 0.020)])
     assert costs.one_row_s() == pytest.approx(0.015)
     assert costs.period_ratio(PLAIN) == pytest.approx(1.0, abs=0.01)
+
+
+def test_each_verifier_is_planned_from_its_own_costs() -> None:
+    """A drafter serving two verifiers (a fast one and one 4x slower) keeps each one's verification,
+    link and step periods apart, so sessions of each are planned from their own (trees pay against
+    the slow verifier's one-row steps, not against the fast one's), while its own drafting costs are
+    one set: a draft call costs what it costs whichever verifier asked."""
+    from specmesh.planner import MAX_VERIFIERS
+
+    process = Costs()
+    fast, slow = process.of_verifier("fast"), process.of_verifier("slow")
+    fast.set_verify_cost([(1, 0.010), (2, 0.020), (3, 0.030), (5, 0.050)])  # rows cost as much as one more step
+    slow.set_verify_cost([(1, 0.040), (2, 0.041), (3, 0.042), (5, 0.044)])  # rows nearly free
+    for _ in range(4):
+        process.of_verifier("fast").add_link(0.004)
+        fast.draft.add((2.0, 2.0, 0.0, 1.0), 0.006)
+    assert process.of_verifier("slow") is slow and slow.draft is fast.draft is process.draft
+    assert slow.one_row_s() == pytest.approx(0.040) and fast.one_row_s() == pytest.approx(0.010)
+    assert fast.link_s == pytest.approx(0.004) and slow.link_s == Costs().link_s
+    acc = Acceptance()
+    for i in range(20):
+        acc.observe([-1], [0] if i % 2 else [])  # half the first nodes accepted
+    assert plan(slow, acc, 4, 4, pipelined=False, batched=False, plain_run=8).budget > 0  # trees win at 40 ms steps
+    assert plan(fast, acc, 4, 4, pipelined=False, batched=False, plain_run=8).budget == 0  # plain at 10 ms ones
+    assert [k for k, _ in process.by_verifier()] == ["fast", "slow"]
+    for i in range(MAX_VERIFIERS):
+        process.of_verifier(f"other {i}")
+    assert "fast" not in dict(process.by_verifier()) and process.of_verifier("") is process

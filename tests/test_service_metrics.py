@@ -135,10 +135,11 @@ def test_drafter_exports_what_its_planner_weighs():
     from specmesh.drafters.predraft import DraftAhead, calibrate, main_path
     from specmesh.planner import Acceptance, Costs
 
-    m, costs, recent = DrafterMetrics(lambda: 1), Costs(), Acceptance()
-    m.watch_planner(costs, recent)
+    m, process, recent = DrafterMetrics(lambda: 1), Costs(), Acceptance()
+    m.watch_planner(process, recent)
     ctx = [5, 6, 7, 5, 6, 7, 5, 6]
-    calibrate(NgramDrafter().open(ctx), ctx, costs)
+    calibrate(NgramDrafter().open(ctx), ctx, process)
+    costs = process.of_verifier("v1")  # a session of the verifier "v1", as the service opens it
     ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), SamplingParams(), pipelined=False, costs=costs,
                        recent=recent)
     points = {1: 0.10, 2: 0.11, 3: 0.12, 5: 0.14, 9: 0.30}  # as a verifier sends them
@@ -152,13 +153,16 @@ def test_drafter_exports_what_its_planner_weighs():
     assert s[p + 'draft_cost_seconds{call="draft",term="level"}'] == costs.draft.coef[0]
     rows = 1 + len(st.tree)  # the pending token and the nodes of the tree verified in 0.25 s
     # the verifier's points are the shape, the step verified in 0.25 s its scale
-    verified = {r: s[p + f'verify_cost_seconds{{when="alone",rows="{r}"}}'] for r in points}
+    verified = {r: s[p + f'verify_cost_seconds{{verifier="v1",when="alone",rows="{r}"}}'] for r in points}
     assert verified[9] / verified[1] == pytest.approx(points[9] / points[1])
     assert verified[5] / verified[3] == pytest.approx(points[5] / points[3])
     assert verified[1] > points[1] and costs.verify(1.0, rows) < 0.25
-    assert s[p + 'step_period_ratio{kind="speculative"}'] == pytest.approx(costs.period_ratio("speculative"))
+    assert s[p + 'step_period_ratio{verifier="v1",kind="speculative"}'] == pytest.approx(costs.period_ratio("speculative"))
     assert costs.period_ratio("speculative") > 2
-    assert s[p + 'step_period_ratio{kind="overlapped"}'] == s[p + 'step_period_ratio{kind="plain"}'] == 1.0
+    assert s[p + 'step_period_ratio{verifier="v1",kind="overlapped"}'] == 1.0
+    assert s[p + 'step_period_ratio{verifier="v1",kind="plain"}'] == 1.0
+    assert s[p + 'link_seconds{verifier="v1"}'] == costs.link_s
+    assert not any('verifier=""' in k for k in s)  # no session named no verifier
     assert s[p + 'acceptance{depth="1",rank="0"}'] == pytest.approx(recent.rate(1, 0))
     assert s[p + 'acceptance{depth="2",rank="0"}'] == pytest.approx(recent.rate(2, 0))
 

@@ -274,6 +274,7 @@ class RemoteDrafts:
                                                   pipelined=self.pipelined, push_predrafts=self.pipelined,
                                                   shares_cores=self.shares_cores,
                                                   fixed_shape=self.spec.fixed, verify_cost=self._step_cost(),
+                                                  verifier=self.steps.key if self.steps else "",
                                                   features=self._features(1, len(context) - 1),
                                                   structured=self._structured()))
 

@@ -22,7 +22,7 @@ class DrafterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., extend: _Optional[_Union[ExtendSession, _Mapping]] = ..., commit: _Optional[_Union[CommitStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape", "verify_cost", "structured", "shares_cores")
+    __slots__ = ("context", "sampling", "budget", "depth", "pipelined", "features", "push_predrafts", "fixed_shape", "verify_cost", "structured", "shares_cores", "verifier")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class OpenSession(_message.Message):
     VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     SHARES_CORES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     budget: int
@@ -45,7 +46,8 @@ class OpenSession(_message.Message):
     verify_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
     structured: _common_pb2.StructuredOutput
     shares_cores: bool
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ..., verify_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., structured: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ..., shares_cores: _Optional[bool] = ...) -> None: ...
+    verifier: str
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., pipelined: _Optional[bool] = ..., features: _Optional[bytes] = ..., push_predrafts: _Optional[bool] = ..., fixed_shape: _Optional[bool] = ..., verify_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., structured: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ..., shares_cores: _Optional[bool] = ..., verifier: _Optional[str] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("rows", "seconds")

@@ -146,6 +146,21 @@ def test_greedy_identical_to_in_process(local, request, which, tp):
         assert accepted > 0
 
 
+def test_a_drafter_plans_each_verifiers_sessions_from_that_verifiers_costs(local, verifier, verifier_tp2, ngram):
+    """Two verifiers (one rank, two ranks) share a drafter: each names itself when it opens a
+    session, and the drafter keeps each one's measured verification apart (exported per verifier),
+    rather than refitting one set of costs to whichever opened a session last."""
+    ids = local[2][0][0]
+    for addr in (verifier.address, verifier_tp2.address):
+        run(addr, ids, drafter=ngram.address, max_tokens=8)
+    with urllib.request.urlopen(ngram.metrics_url, timeout=10) as r:
+        scraped = parse_prometheus(r.read().decode())
+    one_row = {k.split('verifier="')[1].split('"')[0]: v for k, v in scraped.items()
+               if k.startswith("specmesh_drafter_verify_cost_seconds{") and 'when="alone",rows="1"' in k}
+    assert len(one_row) >= 2 and "" not in one_row  # each verifier named itself, none shares another's costs
+    assert len(set(one_row.values())) == len(one_row)  # each its own steps (2 ranks measure apart from 1)
+
+
 def test_seeded_sampling_reproducible(local, verifier, ngram):
     ids = local[2][1][0]
     sampling = common_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
