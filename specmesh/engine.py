@@ -492,7 +492,8 @@ def measure_steps(model: Transformer, rows: tuple[int, ...] = STEP_ROWS, rounds:
                   context: int = 32, settle: int = 2, passes: int = 2) -> list[tuple[int, float]]:
     """The target's step (`TargetSession.step`: forward, verification, commit, what `run_turn`
     times as verify_s) by rows, on a chain of rows - 1 nodes after `context` tokens: (rows,
-    fastest of `rounds` in seconds: noise only adds) per row count. Each row count is timed in a
+    seconds) per row count: the fastest of its timed steps (`rounds` in each pass; noise only adds),
+    and never more than a larger row count's (below). Each row count is timed in a
     run of its own steps after `settle` untimed ones, as a plan runs them (a plain run is one-row
     steps back to back, speculation steps of a few rows): on a CPU the first step after a change
     of rows can cost far more than the ones after it (caches hold the last shape's weights and

@@ -911,6 +911,8 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
     """A plain run's tokens come back in one extension. The drafter feeds them then, in a call of
     their own, counted in the run's period (the run's plan priced feeding them): the probe tree
     after it is drafted by a call that feeds nothing behind, as its plan priced it."""
+    import time
+
     from specmesh.planner import PLAIN
 
     timed = []
@@ -933,8 +935,6 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
             slept.append(ahead.session.behind)
             time.sleep(0.05)
         return draft(budget, depth, *args, **kwargs)
-
-    import time
 
     monkeypatch.setattr(ahead.session, "draft", slow_feed)
     probe = ahead.extend([7] * run.plain, 8, 4, same_turn=True, arrived_at=101.0)

@@ -250,7 +250,7 @@ class DraftAhead:
                     # that tree's call, a 32-step run's tokens once made the trees' kinds look 1.5x
                     # slower than planned, and predrafting stayed off for the rest of the process)
                     t = time.perf_counter()
-                    self.session.draft(0, 0, self.params, self.generator)
+                    self._feed()
                     arrived += time.perf_counter() - t
                 self._measure_period(arrived, len(tokens))
                 self._turn_start = False  # the turn's tokens are in: the next window is a step's
@@ -298,7 +298,7 @@ class DraftAhead:
                 return False
             assert self.plan is not None and self._tree is not None
             if not self._tree.tokens:  # no tree out: feed the committed tokens while the verifier steps
-                self.session.draft(0, 0, self.params, self.generator)
+                self._feed()
                 return True
             if self._batched:
                 ks, self._todo = self._todo, []
@@ -403,6 +403,11 @@ class DraftAhead:
             if acc is not None:
                 acc.observe_bonus(expected, hit)
 
+    def _feed(self) -> None:
+        """Feed the committed tokens the draft session has not fed yet, drafting nothing (an empty
+        draft call), apart from any timed draft."""
+        self.session.draft(0, 0, self.params, self.generator)
+
     def _behind(self) -> int:
         """Committed tokens the draft session has not fed yet (its next call feeds them first)."""
         return getattr(self.session, "behind", 0)
@@ -464,7 +469,7 @@ class DraftAhead:
             # feed the turn's context in a call of its own: the timed draft call below would count
             # a prefill as drafting (one such call once made the planner's draft cost 5x what
             # drafting costs, and sessions went plain for dozens of steps)
-            self.session.draft(0, 0, self.params, self.generator)
+            self._feed()
         self._prompt_fed = True
         behind = self._behind()
         t = time.perf_counter()
