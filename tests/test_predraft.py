@@ -736,10 +736,11 @@ def test_statistical_test_catches_a_wrong_q_after_rerooting(monkeypatch: pytest.
     assert _p_values(counts, after_hit)[1] < 1e-6
 
 
-def _plain_prone(tiny_model, pipelined: bool):
+def _plain_prone(tiny_model, pipelined: bool, first_trees: bool = True):
     """A session under costs where the verifier's one-row step beats every tree (a level of
-    drafting takes a second), with evidence that half the drafted tokens are accepted: (ahead,
-    costs, recent, context)."""
+    drafting takes a second), with evidence that half the drafted tokens are accepted (its
+    drafter's recent sessions, and as many trees of its own as a session drafts before it may go
+    plain, unless not `first_trees`): (ahead, costs, recent, context)."""
     from specmesh.drafters.model import ModelDrafter
 
     costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
@@ -748,7 +749,16 @@ def _plain_prone(tiny_model, pipelined: bool):
     ctx = [3, 14, 15, 9, 26, 5]
     ahead = DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=pipelined, costs=costs,
                        recent=recent)
-    return ahead, costs, recent, ctx
+    return _past_its_first_trees(ahead, 0.5) if first_trees else ahead, costs, recent, ctx
+
+
+def _past_its_first_trees(ahead: DraftAhead, rate: float) -> DraftAhead:
+    """`ahead` with the trees of its own that a session drafts before it may go plain (whatever
+    its prior says) verified, a `rate` of their first nodes accepted."""
+    own = predraft.MIN_TRIALS - int(predraft.PRIOR_OBSERVATIONS)
+    for i in range(own):
+        ahead.acceptance.observe([-1], [0] if i < round(rate * own) else [])
+    return ahead
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -798,6 +808,25 @@ def test_no_tree_when_speculation_cannot_pay_then_a_probe(tiny_model, pipelined:
     assert len(fixed.first(8, 4).tree) == 8
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_session_drafts_trees_of_its_own_before_its_prior_can_make_it_plain(tiny_model, pipelined: bool) -> None:
+    """Its drafter's recent sessions, at the costs of this session, make plain steps win; a new
+    session still drafts trees until its acceptance holds MIN_TRIALS depth-1 trials, the prior's
+    PRIOR_OBSERVATIONS included (acceptance differs between prompts far more than within one: a
+    session that went plain on its prior learnt its own acceptance only from rare probes, and the
+    Qwen2.5-Coder pair ran a whole prompt plain at 0.65 where its trees were accepted at 0.93)."""
+    from specmesh import planner
+
+    ahead, costs, _recent, _ctx = _plain_prone(tiny_model, pipelined, first_trees=False)
+    assert planner.plan(costs, ahead.acceptance, 8, 4, pipelined, True, plain_run=8).budget == 0  # the prior's verdict
+    st, trees = ahead.first(8, 4), 0
+    while st.tree.tokens:
+        trees += 1
+        assert sum(ahead.acceptance.tried[0]) < predraft.MIN_TRIALS
+        st = ahead.commit(st.step, [], 7, 8, 4)  # none accepted
+    assert trees >= 1 and sum(ahead.acceptance.tried[0]) >= predraft.MIN_TRIALS and st.plain > 0
+
+
 def test_a_drafter_serving_several_sessions_plans_their_drafting_in_turn(tiny_model) -> None:
     """Costs under which a tree pays for one session (a level of drafting ~ a tenth of the
     verifier's step, half the drafted tokens accepted) but not once the drafter drafts for 8
@@ -815,9 +844,9 @@ def test_a_drafter_serving_several_sessions_plans_their_drafting_in_turn(tiny_mo
         return DraftAhead(ModelDrafter(tiny_model).open(ctx), len(ctx), GREEDY, pipelined=False, costs=costs,
                           recent=recent, sharing=lambda: sessions[0])
 
-    assert ahead().first(8, 4).tree.tokens
+    assert _past_its_first_trees(ahead(), 0.8).first(8, 4).tree.tokens
     sessions[0] = 8
-    st = ahead().first(8, 4)
+    st = _past_its_first_trees(ahead(), 0.8).first(8, 4)
     assert not st.tree.tokens and st.plain == 8 * predraft.PROBE_EVERY
 
 

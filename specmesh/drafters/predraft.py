@@ -66,10 +66,14 @@ __all__ = ["PREDRAFT_MAX_BUDGET", "DraftAhead", "Predraft", "StepTree", "Session
            "draft_generator", "calibrate", "drafter_samples", "fit_calibration"]
 # What the drafter's recent sessions weigh in a new session's acceptance: a few of the session's own
 # steps outweigh it, since acceptance differs between prompts (code, prose) far more than within one.
-PRIOR_OBSERVATIONS = 8.0
+# With MIN_TRIALS, every session first drafts trees of its own (MIN_TRIALS - this depth-1 trials'
+# worth) whatever its prior says: at 8, sessions whose prior said plain went plain at once and
+# learnt their own acceptance from rare probes only (the Qwen2.5-Coder pair ran a prompt plain at an
+# estimated 0.65, its trees accepted at 0.93 where drafted).
+PRIOR_OBSERVATIONS = 4.0
 RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this many depth-1 trials
 PROBE_EVERY = 8  # plain steps in a row after which one tree is drafted anyway ...
-MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials
+MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials (prior included)
 MAX_PROBE_EVERY = 64  # each probe after which plain steps still win doubles the gap, up to this
 
 
