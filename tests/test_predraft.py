@@ -957,7 +957,7 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
     run = ahead.commit(probe.step, [], 7, 8, 4, arrived_at=100.0, verify_s=0.01)
     assert not run.tree.tokens
     slept = []
-    draft = ahead.session.draft
+    draft, predictions = ahead.session.draft, ahead.session.predictions
 
     def slow_feed(budget, depth, *args, **kwargs):
         if budget == 0 and ahead.session.behind:
@@ -965,8 +965,73 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
             time.sleep(0.05)
         return draft(budget, depth, *args, **kwargs)
 
+    def slow_predictions(first):  # a greedy session's feed of a run: scored as it is fed
+        slept.append(ahead.session.behind)
+        time.sleep(0.05)
+        return predictions(first)
+
     monkeypatch.setattr(ahead.session, "draft", slow_feed)
+    monkeypatch.setattr(ahead.session, "predictions", slow_predictions)
     probe = ahead.extend([7] * run.plain, 8, 4, same_turn=True, arrived_at=101.0)
     assert probe.tree.tokens and timed == [0, 0] and slept == [run.plain]
     measured, predicted, n = ahead.costs._periods[PLAIN]
     assert n == 1 and measured >= 1.05
+
+
+def _greedy_continuation(tiny_model, context: list[int], n: int) -> list[int]:
+    """The tiny model's own greedy choices after `context`, one token at a time."""
+    from specmesh.drafters.model import ModelDrafter
+
+    s = ModelDrafter(tiny_model).open(list(context))
+    out = []
+    for _ in range(n):
+        out.append(s.draft(1, 1, GREEDY, make_generator(GREEDY)).tokens[0])
+        s.commit([out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_greedy_plain_runs_tokens_are_evidence_of_acceptance(tiny_model, agree: bool) -> None:
+    """A session planned plain learns its acceptance between probes: as the drafter feeds a plain
+    run's tokens, it scores its own greedy choice at each of the last EVIDENCE_ROWS of them, taken
+    as the chains it would have drafted there (as deep as the depth cap). Tokens that are the
+    drafter's own choices count as chains accepted to the cap, the next starting after the bonus
+    (a chain cut off by the run's end counts what was seen); tokens it never chooses count as a
+    rejection at depth 1 each. A sampled session's feed is not scored."""
+    ahead = _plain_prone(tiny_model, pipelined=False)[0]
+    st = ahead.first(8, 4)
+    probe = ahead.extend([7] * st.plain, 8, 4, same_turn=True)  # the turn's first run: fed by the probe's draft
+    run = ahead.commit(probe.step, [], 7, 8, 4)
+    assert run.plain >= predraft.EVIDENCE_ROWS
+    own = _greedy_continuation(tiny_model, ahead.session.context, run.plain)
+    tokens = own if agree else [(t + 1) % tiny_model.config.vocab_size for t in own]
+    if not agree:  # each token differs from the drafter's choice after the same prefix
+        assert all(t not in _greedy_continuation(tiny_model, ahead.session.context + tokens[:i], 1)
+                   for i, t in enumerate(tokens))
+    tried = [row[0] for row in ahead.acceptance.tried]
+    accepted = [row[0] for row in ahead.acceptance.accepted]
+    recent_tried = ahead.recent.tried[0][0]
+    ahead.extend(tokens, 8, 4, same_turn=True)
+    d_tried = [a - b for a, b in zip((row[0] for row in ahead.acceptance.tried), tried)]
+    d_accepted = [a - b for a, b in zip((row[0] for row in ahead.acceptance.accepted), accepted)]
+    n = predraft.EVIDENCE_ROWS  # 8 with the depth cap 4: a chain of 4 accepted, the bonus, then 3 cut off
+    if agree:
+        assert d_tried[:5] == [2, 2, 2, 1, 0] and d_accepted[:5] == [2, 2, 2, 1, 0]
+    else:
+        assert d_tried[:2] == [n, 0] and d_accepted[:2] == [0, 0]
+    assert ahead.recent.tried[0][0] - recent_tried == d_tried[0]  # the drafter's recent sessions learn it too
+    assert ahead.session.behind == 0
+    # sampled: the feed only feeds
+    from specmesh.drafters.model import ModelDrafter
+
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    costs = Costs(draft=LinearCost((1.0, 0.1, 0.01, 0.0)), verify=LinearCost((0.01, 0.01)))
+    other = _past_its_first_trees(DraftAhead(ModelDrafter(tiny_model).open([3, 14, 15]), 3, sampled, pipelined=False,
+                                             costs=costs, recent=Acceptance()), 0.5)
+    st = other.first(8, 4)
+    probe = other.extend([7] * st.plain, 8, 4, same_turn=True)
+    run = other.commit(probe.step, [], 7, 8, 4)
+    before = sum(other.acceptance.tried[0])
+    other.extend([7] * run.plain, 8, 4, same_turn=True)
+    assert sum(other.acceptance.tried[0]) == before
+

@@ -76,6 +76,22 @@ class ModelDraftSession:
         if self._vocab is not None:
             self._vocab.add(tokens)
 
+    def predictions(self, first: int) -> list[int]:
+        """Feed the context not yet in the cache, as a draft does, and return the drafter's greedy
+        choice for every committed token from index `first` on, each given the tokens before it (the
+        last entry: its choice for the next token). `first` must be past the cache (nothing is fed
+        twice). Under greedy decoding, where they agree with the committed tokens is exactly what a
+        chain drafted at those points would have had accepted."""
+        cache, n = self.cache, len(self.context)
+        assert cache.length < first <= n, (cache.length, first, n)
+        start = cache.length
+        extra = self._vocab.value if self._vocab is not None else None
+        logits = self.model(torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
+                            logits_rows=slice(first - 1 - start, None), exact=False, extra_vocab=extra)
+        cache.commit(list(range(start, n)))
+        self._slot_of = {}
+        return logits.argmax(-1).tolist()
+
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
               exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
         return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches,

@@ -75,6 +75,9 @@ RECENT_OBSERVATIONS = 512.0  # the recent sessions' history is halved past this 
 PROBE_EVERY = 8  # plain steps in a row after which one tree is drafted anyway ...
 MIN_TRIALS = 8  # ... and trees are drafted until the session's acceptance has this many depth-1 trials (prior included)
 MAX_PROBE_EVERY = 64  # each probe after which plain steps still win doubles the gap, up to this
+# A plain run's last tokens that a greedy session scores its drafter on as it feeds them (`_feed`):
+# each more is a row of the drafter's head in that call
+EVIDENCE_ROWS = 8
 
 
 def draft_generator(params: SamplingParams) -> torch.Generator:
@@ -254,7 +257,7 @@ class DraftAhead:
                     # that tree's call, a 32-step run's tokens once made the trees' kinds look 1.5x
                     # slower than planned, and predrafting stayed off for the rest of the process)
                     t = time.perf_counter()
-                    self._feed()
+                    self._feed(run=len(tokens))
                     arrived += time.perf_counter() - t
                 self._measure_period(arrived, len(tokens))
                 self._turn_start = False  # the turn's tokens are in: the next window is a step's
@@ -407,10 +410,43 @@ class DraftAhead:
             if acc is not None:
                 acc.observe_bonus(expected, hit)
 
-    def _feed(self) -> None:
+    def _feed(self, run: int = 0) -> None:
         """Feed the committed tokens the draft session has not fed yet, drafting nothing (an empty
-        draft call), apart from any timed draft."""
-        self.session.draft(0, 0, self.params, self.generator)
+        draft call), apart from any timed draft. `run`: the last that many of them are a plain run's
+        output, the target's own tokens: a greedy, unguided session whose drafter can say what it
+        would have chosen at each (`predictions`: model drafters) scores it on the run's last
+        EVIDENCE_ROWS tokens as it feeds them (`_observe_run`), so that a session planned plain goes
+        on learning its acceptance between probes, at every depth."""
+        n = min(run, EVIDENCE_ROWS, self._behind())
+        if n > 0 and self.params.greedy and self.guide is None and hasattr(self.session, "predictions"):
+            self._observe_run(self.session.predictions(self.position - n), n)
+        else:
+            self.session.draft(0, 0, self.params, self.generator)
+
+    def _observe_run(self, predicted: list[int], n: int) -> None:
+        """The drafter's choices for the last `n` committed tokens, taken as the chains it would
+        have drafted there, each as deep as the depth cap allows: from a run's first token, a chain
+        accepts while the choices agree; the first that does not is rejected and the committed
+        token there is the bonus, the next chain starts after it. A chain cut off by the run's end
+        counts only what was seen (no rejection is made up). Under greedy decoding a model drafter
+        fed the committed tokens makes exactly the choices such a chain would have (rank 0 at every
+        depth); nothing here counts for a sibling rank."""
+        tokens = self.session.context[self.position - n:self.position]
+        agree = [p == t for p, t in zip(predicted, tokens)]
+        depth = max(1, self._caps[1])
+        i = 0
+        while i < n:
+            k = 0
+            while k < depth and i + k < n and agree[i + k]:
+                k += 1
+            size = k if i + k == n else min(depth, k + 1)  # cut off: the k accepted only
+            chain = list(range(-1, size - 1))  # parents: ROOT, then each node under the one before
+            for acc in (self.acceptance, self.recent):
+                if acc is not None:
+                    acc.observe(chain, list(range(k)))
+            if self.recent is not None:
+                self.recent.decay(RECENT_OBSERVATIONS)
+            i += k + 1
 
     def _behind(self) -> int:
         """Committed tokens the draft session has not fed yet (its next call feeds them first)."""
