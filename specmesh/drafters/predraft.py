@@ -460,7 +460,8 @@ class DraftAhead:
 
     def _plan(self, budget: int, depth: int) -> Plan:
         # after a run of plain steps (`_probe_every`), one speculates anyway: the acceptance that
-        # speculation is judged by comes only from verified trees
+        # speculation is judged by comes from verified trees (a greedy model drafter's plain runs
+        # tell only its first choices' acceptance: `_feed`)
         sharing = self._sharing()
         probe = self._plain_steps >= self._probe_every(sharing) or sum(self.acceptance.tried[0]) < MIN_TRIALS
         # on the verifier's cores no overlapped plan can win (`planner.plan`'s shares_cores) and none
