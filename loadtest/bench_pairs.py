@@ -504,6 +504,8 @@ def checks(results: list[dict], defaults: str, prefix: str = "services") -> dict
     out["defaults_row"] = defaults
     if "of_bound" in by.get(defaults, {}):
         out["default_of_bound"] = by[defaults]["of_bound"]
+    if ceiling := chain_ceiling(by.get(f"{prefix} chain 4 pipelining off", {})):
+        out["chain_ceiling"] = ceiling
     nones = [d for k, d in by.items() if k.startswith("in-process none")]  # fp32 first, then the services' format
     hf_plain = next((d for k, d in by.items() if k.startswith("transformers generate")), None)
     if nones and hf_plain:  # fp32 on both sides
@@ -520,6 +522,33 @@ def checks(results: list[dict], defaults: str, prefix: str = "services") -> dict
     out["greedy_identical"] = all(d.get("identical_to_autoregressive", True) and d.get("identical_to_own_plain", True)
                                   for d in by.values())
     return out
+
+
+def chain_ceiling(chain4: dict, depths: int = 16) -> dict | None:
+    """What a chain of any depth (1..`depths`) could reach against autoregressive decoding if
+    verifying its rows cost what one row's step costs, from a run's chain-4 row (pipelining off):
+    the drafted tokens' acceptance as one rate a token, fitted to its tokens per step (E = 1 + a +
+    ... + a^4), and a level of drafting at a quarter of its γc. Sequential (drafting and
+    verification taking turns, as on shared cores): max E_d / (1 + c d); pipelined: max E_d /
+    max(1, c d). No planner beats these on that machine with that drafter unless verification of
+    several rows gets cheaper than one row's step, or drafting or acceptance change; a chain is what
+    trees reduce to where rows cost time, which they do on a CPU."""
+    e4, gc = chain4.get("tokens_per_step"), chain4.get("gamma_c")
+    if not e4 or gc is None or not 1.0 <= e4 < 5.0:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # E(a) = 1 + a + ... + a^4 grows with a: bisection
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** k for k in range(5)) < e4 else (lo, mid)
+    a, c = lo, gc / 4
+
+    def tokens(d: int) -> float:
+        return sum(a ** k for k in range(d + 1))
+    seq = max(range(1, depths + 1), key=lambda d: tokens(d) / (1 + c * d))
+    pipe = max(range(1, depths + 1), key=lambda d: tokens(d) / max(1.0, c * d))
+    return {"from": chain4["name"], "acceptance_per_token": round(a, 3), "draft_level_cost": round(c, 3),
+            "sequential_free_verification": round(tokens(seq) / (1 + c * seq), 3), "sequential_depth": seq,
+            "pipelined_free_verification": round(tokens(pipe) / max(1.0, c * pipe), 3), "pipelined_depth": pipe}
 
 
 def format_table(report: dict) -> str:
@@ -555,6 +584,13 @@ def format_table(report: dict) -> str:
                          f"{g('tokens_per_step')} | {g('verify_idle_fraction', '{:.0%}')} | "
                          f"{g('predraft_hit_rate', '{:.0%}')} | {g('gamma_c')} | {g('verify_cost_v')} | {bound} | "
                          f"{g('of_bound', '{:.0%}')} | {ident} |")
+        for name, c in (p.get("checks_by_service_set") or {}).items():
+            if ceiling := c.get("chain_ceiling"):
+                lines.append(f"\n{name}: a chain's ceiling if verifying its rows cost one row's step (`chain_ceiling`, "
+                             f"acceptance {ceiling['acceptance_per_token']:.2f} a token, a drafting level "
+                             f"{ceiling['draft_level_cost']:.2f} steps): {ceiling['sequential_free_verification']:.2f}x "
+                             f"taking turns (depth {ceiling['sequential_depth']}), "
+                             f"{ceiling['pipelined_free_verification']:.2f}x pipelined (depth {ceiling['pipelined_depth']})")
     return "\n".join(lines)
 
 

@@ -56,6 +56,26 @@ def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_
     assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(20.0 / 18.33, abs=1e-3)}
 
 
+def test_the_chain_ceiling_is_the_best_depth_at_free_verification() -> None:
+    """From a chain-4 row: the per-token acceptance that gives its tokens per step, a quarter of
+    its γc a level; the best chain depth when verification costs one row's step, drafting and
+    verification in turn (sequential) or beside each other (pipelined)."""
+    from loadtest.bench_pairs import chain_ceiling
+
+    a, c = 0.8, 0.25
+    e4 = sum(a ** k for k in range(5))
+    got = chain_ceiling({"name": "services chain 4 pipelining off", "tokens_per_step": e4, "gamma_c": 4 * c})
+    assert got["acceptance_per_token"] == pytest.approx(a, abs=1e-3) and got["draft_level_cost"] == c
+    best = max(sum(a ** k for k in range(d + 1)) / (1 + c * d) for d in range(1, 17))
+    assert got["sequential_free_verification"] == pytest.approx(best, abs=1e-3)
+    assert got["sequential_depth"] == 3  # 2.95 / 1.75 beats depth 4's 3.36 / 2.0
+    # pipelined: drafting is free up to one step's time (d <= 4), then it bounds the step
+    assert got["pipelined_depth"] == 4 and got["pipelined_free_verification"] == pytest.approx(e4, abs=1e-3)
+    assert chain_ceiling({"name": "x", "tokens_per_step": 5.0, "gamma_c": 1.0}) is None  # nothing to fit
+    rows = {d["name"]: d for d in summarise(_rows(), 1)}
+    assert "chain_ceiling" not in checks(list(rows.values()), "services default pipelining on")  # no chain row
+
+
 def test_checks_hold_the_verifier_against_llama_cpp_at_one_thread() -> None:
     rows = _rows()
     rows[-1] = Row("llama.cpp plain (1 thread)", "llama", tokens=11, seconds=2.4, decode_tokens=10, decode_s=2.0,
