@@ -82,15 +82,23 @@ class ModelDraftSession:
         last entry: its choice for the next token). `first` must be past the cache (nothing is fed
         twice). Under greedy decoding, where they agree with the committed tokens is exactly what a
         chain drafted at those points would have had accepted."""
-        cache, n = self.cache, len(self.context)
-        assert cache.length < first <= n, (cache.length, first, n)
-        start = cache.length
-        extra = self._vocab.value if self._vocab is not None else None
-        logits = self.model(torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
-                            logits_rows=slice(first - 1 - start, None), exact=False, extra_vocab=extra)
-        cache.commit(list(range(start, n)))
+        assert self.cache.length < first <= len(self.context), (self.cache.length, first, len(self.context))
         self._slot_of = {}
-        return logits.argmax(-1).tolist()
+        return self._feed_from(first).argmax(-1).tolist()
+
+    def _feed_from(self, low: int) -> torch.Tensor:
+        """Feed the context not yet in the cache, from token `low - 1` on at least; logits
+        [n - low + 1, V]: row r proposes the token after the first low + r."""
+        cache, n = self.cache, len(self.context)
+        start = min(cache.length, low - 1)
+        cache.truncate(start)
+        logits = self.model(
+            torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
+            logits_rows=slice(low - 1 - start, None), exact=False,
+            extra_vocab=self._vocab.value if self._vocab is not None else None,
+        )
+        cache.commit(list(range(start, n)))
+        return logits
 
     def draft(self, budget: int, depth: int, params: SamplingParams, generator: torch.Generator,
               exclude_root: Sequence[int] = (), branches: int = 0, guide=None) -> DraftTree:
@@ -110,13 +118,7 @@ class ModelDraftSession:
         assert 1 <= low and max(roots) <= n, (roots, n)
         # 1. feed the context not yet in the cache, from the shallowest root's token on at least:
         # row r of the logits proposes the children of the root after low + r tokens
-        start = min(cache.length, low - 1)
-        cache.truncate(start)
-        logits = model(
-            torch.tensor(self.context[start:]), torch.arange(start, n), cache, start,
-            logits_rows=slice(low - 1 - start, None), exact=False, extra_vocab=extra,
-        )  # [n - low + 1, V]
-        cache.commit(list(range(start, n)))
+        logits = self._feed_from(low)  # [n - low + 1, V]
         root_probs = drafter_probs(logits, params)  # [n - low + 1, V]
         slot_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (tree, path from its root) -> scratch slot
         next_slot = n

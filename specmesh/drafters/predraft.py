@@ -380,17 +380,21 @@ class DraftAhead:
         """What the commit of the tree last sent tells the planner: which of its nodes were
         accepted, the verification's cost by rows and the rest of the window (the link)."""
         assert self._tree is not None
-        nodes = _accepted_nodes(self._tree, accepted)
-        self.acceptance.observe(self._tree.parents, nodes)
-        if self.recent is not None:
-            self.recent.observe(self._tree.parents, nodes)
-            self.recent.decay(RECENT_OBSERVATIONS)
+        self._observe(self._tree.parents, _accepted_nodes(self._tree, accepted))
         if verify_s > 0:
             fit = self.costs.verify_overlapped if self._overlapped else self.costs.verify
             fit.add((1.0, 1.0 + len(self._tree)), verify_s)
             if not self._turn_start:
                 self.costs.add_link(arrived - self._sent_at - verify_s)
         self._turn_start = False
+
+    def _observe(self, parents: list[int], accepted_nodes: list[int]) -> None:
+        """One tree's outcome, verified or as a plain run's tokens tell it, in the session's
+        acceptance and its drafter's recent sessions'."""
+        self.acceptance.observe(parents, accepted_nodes)
+        if self.recent is not None:
+            self.recent.observe(parents, accepted_nodes)
+            self.recent.decay(RECENT_OBSERVATIONS)
 
     def _measure_period(self, arrived: float, steps: int) -> None:
         """The step of the tree last sent (`steps` one-row steps for a plain run) took from the
@@ -440,12 +444,7 @@ class DraftAhead:
             while k < depth and i + k < n and agree[i + k]:
                 k += 1
             size = k if i + k == n else min(depth, k + 1)  # cut off: the k accepted only
-            chain = list(range(-1, size - 1))  # parents: ROOT, then each node under the one before
-            for acc in (self.acceptance, self.recent):
-                if acc is not None:
-                    acc.observe(chain, list(range(k)))
-            if self.recent is not None:
-                self.recent.decay(RECENT_OBSERVATIONS)
+            self._observe(list(range(-1, size - 1)), list(range(k)))  # parents: ROOT, then each under the one before
             i += k + 1
 
     def _behind(self) -> int:
