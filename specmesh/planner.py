@@ -410,6 +410,13 @@ class Acceptance:
                 return
             node = taken
 
+    def observe_at(self, depth: int, rank: int, accepted: bool) -> None:
+        """One trial at (depth, rank) that no verified tree made, known otherwise (a greedy
+        drafter's own choice against the committed token there: `DraftAhead`'s evidence)."""
+        d, r = min(depth, MAX_LEVELS) - 1, min(rank, MAX_RANKS - 1)
+        self.tried[d][r] += 1
+        self.accepted[d][r] += float(accepted)
+
     def observe_bonus(self, expected: float, hit: bool) -> None:
         """A predraft's outcome came: `bonus_hit` gave it `expected`; `hit`: the bonus had a tree in it."""
         self.bonus_expected += expected

@@ -1035,3 +1035,80 @@ def test_a_greedy_plain_runs_tokens_are_evidence_of_acceptance(tiny_model, agree
     other.extend([7] * run.plain, 8, 4, same_turn=True)
     assert sum(other.acceptance.tried[0]) == before
 
+
+
+def test_a_scored_draft_is_the_draft_plus_the_drafters_own_choices_from_its_feed(tiny_model) -> None:
+    """`draft_scored` drafts the tree `draft` drafts, and from the same forward over the fed tokens
+    gives the drafter's greedy choice for each committed token from `first` on (what
+    `predictions` gives): one forward for the feed, none more."""
+    from specmesh.drafters.model import ModelDrafter
+
+    drafter = ModelDrafter(tiny_model)
+    ctx = [3, 14, 15, 9, 26, 5, 35, 8]
+    for first in (6, 7):
+        session = drafter.open(ctx[:5])
+        session.draft(3, 3, GREEDY, make_generator(GREEDY))  # the cache holds 4 of the 5 tokens
+        session.commit(ctx[5:])
+        forwards = []
+        hook = tiny_model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            tree, choices = session.draft_scored(first, 4, 3, GREEDY, make_generator(GREEDY))
+        finally:
+            hook.remove()
+        assert len(forwards) == 3, "one forward for the feed and the root, then one per level below"
+        assert tree == drafter.open(ctx).draft(4, 3, GREEDY, make_generator(GREEDY))
+        reference = drafter.open(ctx[:5])
+        reference.draft(1, 1, GREEDY, make_generator(GREEDY))
+        reference.commit(ctx[5:])
+        assert choices == reference.predictions(first)[:-1] and len(choices) == len(ctx) - first
+        assert choices == _greedy_choices(tiny_model, ctx, first)
+
+
+def _greedy_choices(tiny_model, ctx: list[int], first: int) -> list[int]:
+    """The tiny model's greedy choice for each of ctx[first:], given the tokens before it."""
+    return [_greedy_continuation(tiny_model, ctx[:i], 1)[0] for i in range(first, len(ctx))]
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_bonus_below_an_accepted_leaf_is_a_trial_one_level_deeper(tiny_model, pipelined: bool, agree: bool) -> None:
+    """A greedy session whose trees stay shallow still learns the acceptance of the levels below
+    them: when the accepted path ends at a leaf, the bonus sits where a deeper tree's next node
+    would have, and the drafter's own choice there against it is that node's trial. Pipelined, the
+    predraft for that outcome holds the choice (its first bonus candidate); taking turns, the next
+    draft scores it from the feed it makes anyway. No trial where the path ends above a leaf, nor
+    in a sampled session."""
+    from specmesh.drafters.model import ModelDrafter
+
+    ctx = [3, 14, 15, 9, 26, 5]
+    recent = Acceptance()
+    ahead = DraftAhead(ModelDrafter(tiny_model).open(list(ctx)), len(ctx), GREEDY, pipelined=pipelined,
+                       costs=eager(), recent=recent, fixed=True)
+    st = ahead.first(1, 1)  # one-node trees: depth 2 is never drafted
+    for step in range(3):
+        if pipelined:
+            while ahead.predraft():
+                pass
+        node = st.tree.tokens[0]
+        own = _greedy_continuation(tiny_model, ahead.session.context[:ahead.position] + [node], 1)[0]
+        bonus = own if agree else (own + 1) % tiny_model.config.vocab_size
+        tried, accepted = ahead.acceptance.tried[1][0], ahead.acceptance.accepted[1][0]
+        recent_tried = recent.tried[1][0]
+        st = ahead.commit(step, [node], bonus, 1, 1)
+        assert ahead.acceptance.tried[1][0] == tried + 1 and recent.tried[1][0] == recent_tried + 1
+        assert ahead.acceptance.accepted[1][0] == accepted + agree
+    # the path ends above a leaf (its node's children all rejected): nothing below is known
+    tree_ahead = DraftAhead(ModelDrafter(tiny_model).open(list(ctx)), len(ctx), GREEDY, pipelined=pipelined,
+                            costs=eager(), fixed=True)
+    st = tree_ahead.first(4, 2)
+    path = [st.tree.tokens[i] for i in main_path(st.tree)]
+    assert len(path) == 2
+    before = [row[:] for row in tree_ahead.acceptance.tried]
+    tree_ahead.commit(0, path[:1], 63 if path[1] != 63 else 62, 4, 2)
+    assert tree_ahead.acceptance.tried[2] == before[2]
+    # sampled: no trial beyond the tree
+    sampled = DraftAhead(ModelDrafter(tiny_model).open(list(ctx)), len(ctx), SAMPLE, pipelined=pipelined,
+                         costs=eager(), fixed=True)
+    st = sampled.first(1, 1)
+    sampled.commit(0, [st.tree.tokens[0]], 7, 1, 1)
+    assert sum(sampled.acceptance.tried[1]) == 0

@@ -105,20 +105,35 @@ class ModelDraftSession:
         return self.draft_many([len(self.context)], budget, depth, params, generator, [exclude_root], branches,
                                guide)[0]
 
+    def draft_scored(self, first: int, budget: int, depth: int, params: SamplingParams,
+                     generator: torch.Generator, guide=None) -> tuple[DraftTree, list[int]]:
+        """`draft`, and from the same feed the drafter's greedy choice for every committed token
+        from index `first` (>= 1) on, as `predictions` gives them: a row of the head more per
+        token (and the rows fed again where the cache held them already)."""
+        trees, choices = self._grow([len(self.context)], budget, depth, params, generator, [()], 0, guide, first)
+        return trees[0], choices
+
     def draft_many(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
                    generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int = 0,
                    guide=None) -> list[DraftTree]:
         """Trees rooted at several points of the context, one forward per level for all of them:
         each node sees the context up to its own tree's root and its own ancestors."""
+        return self._grow(roots, budget, depth, params, generator, excludes, branches, guide)[0]
+
+    def _grow(self, roots: Sequence[int], budget: int, depth: int, params: SamplingParams,
+              generator: torch.Generator, excludes: Sequence[Sequence[int]], branches: int, guide,
+              scored: int | None = None) -> tuple[list[DraftTree], list[int]]:
+        """`draft_many`, and the greedy choices for the committed tokens from index `scored` on."""
         cache, model = self.cache, self.model
         extra = self._vocab.value if self._vocab is not None else None
         self._slot_of = {}
         n = len(self.context)
-        low = min(roots)
+        low = min(roots) if scored is None else min(min(roots), scored)
         assert 1 <= low and max(roots) <= n, (roots, n)
-        # 1. feed the context not yet in the cache, from the shallowest root's token on at least:
-        # row r of the logits proposes the children of the root after low + r tokens
+        # 1. feed the context not yet in the cache, from the shallowest root's (or scored) token on
+        # at least: row r of the logits proposes the token after the first low + r
         logits = self._feed_from(low)  # [n - low + 1, V]
+        choices = logits[scored - low:n - low].argmax(-1).tolist() if scored is not None else []
         root_probs = drafter_probs(logits, params)  # [n - low + 1, V]
         slot_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (tree, path from its root) -> scratch slot
         next_slot = n
@@ -151,4 +166,4 @@ class ModelDraftSession:
                            bind_guide(guide, self.context, roots, generator))
         if list(roots) == [n]:  # a plain draft: commit reuses the K/V of the nodes it accepts
             self._slot_of = {path: slot for (_, path), slot in slot_of.items()}
-        return trees
+        return trees, choices

@@ -173,6 +173,9 @@ class DraftAhead:
         self._probe: Plan | None = None  # the last plan made as a probe
         self._probed = False  # the tree last sent was a probe's
         self._prompt_fed = False  # whether the session has fed the turn's context (the prompt) yet
+        # a committed bonus one level below the accepted leaf that the next fresh draft scores the
+        # drafter's own choice for (`_beyond`): its index in the context and its depth (0: none)
+        self._score_at, self._score_depth = 0, 0
         # the tree last sent is a turn's first: the verifier may prefill the turn's tokens before it
         # verifies it, so its window says nothing of the link, nor its period of a step
         self._turn_start = True
@@ -209,6 +212,13 @@ class DraftAhead:
             arrived = time.perf_counter() if arrived_at is None else arrived_at
             self._measure(accepted, arrived, verify_s)
             self._measure_period(arrived, 1)
+            beyond = self._beyond(accepted)
+            if beyond and pred is not None and len(accepted) == len(self._path):
+                # the predraft's first bonus candidate is the drafter's own choice there
+                candidates = children_of(pred.tree)[ROOT]
+                if candidates:
+                    self._observe_beyond(beyond, pred.tree.tokens[candidates[0]] == bonus)
+                beyond = 0
             if pred is not None and self._held >= len(accepted):
                 # 1. the session holds the accepted path (a feature drafter holds it with
                 # predicted features: the verifier's replace them), and maybe more of the main path
@@ -225,6 +235,8 @@ class DraftAhead:
             if tree is not None:
                 self.hits += 1
                 return self._send(tree, budget, depth, True, self._next)
+            if beyond:
+                self._score_at, self._score_depth = self.position - 1, beyond
             return self._send_fresh(budget, depth)
 
     def extend(self, tokens: list[int], budget: int, depth: int, keep: int = 0,
@@ -427,6 +439,27 @@ class DraftAhead:
         else:
             self.session.draft(0, 0, self.params, self.generator)
 
+    def _beyond(self, accepted: list[int]) -> int:
+        """The bonus's depth when the accepted path of the tree last sent ends at one of its leaves
+        in a greedy, unguided session, else 0. The bonus then sits at the level a deeper tree would
+        have drafted next, and the drafter's own choice there (the first bonus candidate of the
+        predraft for this outcome, or scored by the next fresh draft: `draft_scored`) against it is
+        exactly that node's trial (`_observe_beyond`). Without it a session whose trees stay shallow
+        never sees the deeper levels' acceptance, only the prior's guess at it, and a low guess kept
+        one-node trees going where chains of four were accepted at every depth."""
+        if not accepted or not self.params.greedy or self.guide is not None:
+            return 0
+        assert self._tree is not None
+        nodes = _accepted_nodes(self._tree, accepted)
+        return len(accepted) + 1 if len(nodes) == len(accepted) and not children_of(self._tree)[nodes[-1]] else 0
+
+    def _observe_beyond(self, depth: int, accepted: bool) -> None:
+        """The trial at `depth` that the bonus below a leaf tells (`_beyond`), in the session's
+        acceptance and its drafter's recent sessions' (rank 0: the drafter's first choice)."""
+        for acc in (self.acceptance, self.recent):
+            if acc is not None:
+                acc.observe_at(depth, 0, accepted)
+
     def _observe_run(self, predicted: list[int], n: int) -> None:
         """The drafter's choices for the last `n` committed tokens, taken as the chains it would
         have drafted there, each as deep as the depth cap allows: from a run's first token, a chain
@@ -513,7 +546,11 @@ class DraftAhead:
         self._prompt_fed = True
         behind = self._behind()
         t = time.perf_counter()
-        tree = self.session.draft(p.budget, p.depth, self.params, self.generator, **guided(self.guide))
+        if self._score_at and hasattr(self.session, "draft_scored"):  # the same feed scores the bonus
+            tree, choices = self.session.draft_scored(self._score_at, p.budget, p.depth, self.params, self.generator)
+            self._observe_beyond(self._score_depth, choices[0] == self.session.context[self._score_at])
+        else:
+            tree = self.session.draft(p.budget, p.depth, self.params, self.generator, **guided(self.guide))
         self._add_draft_cost([tree], time.perf_counter() - t, behind)
         return self._send(tree, budget, depth, False, p)
 
@@ -521,6 +558,7 @@ class DraftAhead:
               plain: int = 0) -> StepTree:
         self.step += 1
         self.steps += 1
+        self._score_at = 0  # a bonus not scored by this tree's draft stays unscored
         # by what was planned, not what the drafter found: a planned tree may come out empty (no
         # n-gram match), and that is neither a plain run nor evidence against trees
         planned_tree = plan is not None and plan.budget > 0
