@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specmesh.costs import PERIOD_KINDS, Costs
 from specmesh.drafters.base import Drafter, DraftSession
 from specmesh.engine import STEP_ROWS  # the rows a verifier measures: the gauge's until one sent its points
 from specmesh.metrics import Counter, Gauge, Histogram, Registry, start_exporter
-from specmesh.planner import PERIOD_KINDS, Acceptance, Costs
+from specmesh.planner import Acceptance
 from specmesh.sampling import SamplingParams
 from specmesh.tree import DraftTree
 

@@ -16,12 +16,13 @@ from grpc_health.v1 import health
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.servicer import DrafterServicer
 from drafter_service.sessions import SessionStore
+from specmesh.costs import Costs
 from specmesh.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import fit_calibration
 from specmesh.engine import drafter_calls
 from specmesh.grammar import Grammars
-from specmesh.planner import Acceptance, Costs
+from specmesh.planner import Acceptance
 from specmesh.service import grpc_server, set_serving, stop_server, until_signal
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 

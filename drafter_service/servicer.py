@@ -50,10 +50,11 @@ import grpc
 from drafter_service.sessions import SessionStore
 from specmesh.convert import (FEATURE_DIM_KEY, GRAMMAR_KEY, features_from_pb, sampling_from_pb, structured_from_pb,
                               tree_to_pb)
+from specmesh.costs import Costs
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.predraft import DraftAhead, StepTree
 from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES, check_ids
-from specmesh.planner import Acceptance, Costs
+from specmesh.planner import Acceptance
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)

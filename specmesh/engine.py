@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from specmesh.costs import Costs, StepTable
 from specmesh.drafters.base import Drafter, DraftSession, FeatureRows, guided, turn_guide
 from specmesh.model import Transformer
 from specmesh.limits import MAX_DEPTH, MAX_TREE_NODES, check_ids
 from specmesh.logprobs import TokenLogprob, check_logprobs
-from specmesh.planner import Acceptance, Costs, StepTable
+from specmesh.planner import Acceptance
 from specmesh.sampling import Penalizer, SamplingParams, VerifyResult, make_generator, token_logprobs, verify_tree
 from specmesh.text import StopConditions, first_stop  # StopConditions: in generate's signature, so also here
 from specmesh.tree import DraftTree, InvalidTreeError, depths, tree_attention_mask, validate_tree

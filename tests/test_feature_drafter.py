@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from specmesh.convert import features_from_pb, features_to_pb
+from specmesh.costs import Costs, LinearCost
 from specmesh.distill import feature, train
 from specmesh.drafters.feature import FeatureDrafter
 from specmesh.drafters.predraft import DraftAhead
 from specmesh.engine import SpecConfig, StopConditions, TargetSession, generate
-from specmesh.planner import Costs, LinearCost
 from specmesh.runtime import load_model_drafter
 from specmesh.sampling import SamplingParams, make_generator
 from tests.tiny_models import tiny_distillation_setup

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
+from specmesh.costs import OVERLAPPED, SPECULATIVE, Costs, LinearCost
 from specmesh.drafters import NgramDrafter, pick, predraft
 from specmesh.drafters.base import Children, ContextSession, children_from_probs, grow_tree, grow_trees
 from specmesh.drafters.predraft import (
@@ -23,7 +24,7 @@ from specmesh.drafters.predraft import (
     trim_nodes,
     useful_depth,
 )
-from specmesh.planner import MAX_OUTCOMES, OVERLAPPED, SPECULATIVE, Acceptance, Costs, LinearCost
+from specmesh.planner import MAX_OUTCOMES, Acceptance
 from specmesh.sampling import SamplingParams, make_generator, sample_token, verify_sampling
 from specmesh.tree import ROOT, DraftTree, children_of, depths, validate_tree
 
@@ -942,7 +943,7 @@ def test_a_plain_runs_tokens_are_fed_in_its_own_period(tiny_model, monkeypatch) 
     after it is drafted by a call that feeds nothing behind, as its plan priced it."""
     import time
 
-    from specmesh.planner import PLAIN
+    from specmesh.costs import PLAIN
 
     timed = []
     add = DraftAhead._add_draft_cost

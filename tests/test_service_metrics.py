@@ -132,8 +132,9 @@ def test_metered_drafter_counts_every_tree_drafted_together():
 def test_drafter_exports_what_its_planner_weighs():
     """The costs the drafter measured (calibration and live calls, verifications reported with
     commits) and its recent sessions' acceptance, as the planner sees them."""
+    from specmesh.costs import Costs
     from specmesh.drafters.predraft import DraftAhead, calibrate, main_path
-    from specmesh.planner import Acceptance, Costs
+    from specmesh.planner import Acceptance
 
     m, process, recent = DrafterMetrics(lambda: 1), Costs(), Acceptance()
     m.watch_planner(process, recent)

@@ -32,11 +32,12 @@ import uuid
 import grpc
 
 from specmesh.convert import FEATURE_DIM_KEY, GRAMMAR_KEY, features_to_pb, sampling_to_pb, structured_to_pb, tree_from_pb
+from specmesh.costs import StepTable
 from specmesh.drafters.pick import next_tree_from
 from specmesh.engine import SpecConfig, TargetSession
 from specmesh.grammar import GrammarSpec
 from specmesh.limits import MAX_DEPTH
-from specmesh.planner import PREDRAFT_MAX_BUDGET, StepTable
+from specmesh.planner import PREDRAFT_MAX_BUDGET
 from specmesh.sampling import SamplingParams, VerifyResult
 from specmesh.text import common_prefix
 from specmesh.tls import PLAINTEXT_PEER, PeerTls, peer_channel

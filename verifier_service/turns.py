@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from specmesh.batching import BatchingTarget
+from specmesh.costs import StepTable
 from specmesh.engine import GenerationResult, SpecConfig, StopConditions, TargetSession, run_turn, target_steps
-from specmesh.planner import StepTable
 from specmesh.grammar import Grammars, GrammarSpec
 from specmesh.limits import check_ids
 from specmesh.logprobs import TokenLogprob

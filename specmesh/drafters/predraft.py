@@ -55,9 +55,10 @@ from dataclasses import dataclass
 import torch
 
 from specmesh import planner
+from specmesh.costs import Costs
 from specmesh.drafters.base import Drafter, DraftSession, guided, turn_guide
 from specmesh.drafters.pick import next_tree_from, pick_predrafted, useful_depth
-from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Costs, Plan, predraft_shape
+from specmesh.planner import PREDRAFT_MAX_BUDGET, Acceptance, Plan, predraft_shape
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.tree import ROOT, DraftTree, children_of, main_path, subtree, trim, trim_nodes
 

@@ -15,9 +15,10 @@ import verifier_service.turns as turns
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.server import start_server
 from drafter_service.sessions import SessionStore
+from specmesh.costs import Costs
 from specmesh.drafters.model import ModelDrafter
 from specmesh.engine import SpecConfig, StopConditions, generate
-from specmesh.planner import Acceptance, Costs
+from specmesh.planner import Acceptance
 from specmesh.runtime import encode_prompt, load_target
 from specmesh.sampling import SamplingParams
 from tests.slow_drafter import SlowDrafter

@@ -14,12 +14,13 @@ import torch
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.server import start_server
 from drafter_service.sessions import SessionStore
+from specmesh.costs import Costs
 from specmesh.drafters import bundled_drafter_path
 from specmesh.drafters.feature import FeatureDrafter
 from specmesh.drafters.predraft import PROBE_EVERY
 from specmesh.engine import SpecConfig, StopConditions, TargetSession, run_turn
 from specmesh.loader import load_drafter_weights
-from specmesh.planner import Acceptance, Costs
+from specmesh.planner import Acceptance
 from specmesh.runtime import encode_prompt, load_target
 from specmesh.sampling import SamplingParams, make_generator
 from tests.slow_drafter import SlowDrafter
@@ -81,7 +82,7 @@ def test_the_verifiers_live_steps_reach_the_next_sessions_points(served) -> None
     """A verifier's start-up points, far off (every row count 10x too cheap): the steps of a
     session taken alone, plain-run steps included, are what the next session's open sends the
     drafter, and the drafter's planner takes that shape."""
-    from specmesh.planner import StepTable
+    from specmesh.costs import StepTable
 
     model, tok, store, link = served
     ids = encode_prompt(tok, "Name three rivers.", chat=True)
