@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh import kernels
 from specmesh.kernels import ggml, qdot
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "gguf")
@@ -408,7 +409,7 @@ class QuantLinear(nn.Module):
         elif self.fmt == "int8":
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
-            y = F.linear(x2, self.weight)
+            y = kernels.linear(x2, self.weight)  # bf16: one row at a time up to SMALL_M_MAX (`kernels.linear`)
         y = y.float()  # [M, N]
         if self.bias is not None:
             y = y + self.bias

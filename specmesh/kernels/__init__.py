@@ -39,6 +39,12 @@ from specmesh.kernels import dispatch as _dispatch
 from specmesh.paths import cache_root
 
 SMALL_M_MAX = 17  # rows of a verification step: a 16-node tree + the pending token
+# On the CPU torch's bf16/fp16 GEMM computes a row differently with the rows beside it (its one-row
+# path is not its many-row one: a tiny bf16 model's greedy speculation left plain decoding at its
+# 9th token, at 1 thread), so a tree's rows would not equal one-token decoding. Up to SMALL_M_MAX
+# rows (a verification) `linear` makes each row its own product there, as a decode step computes
+# it: exact, at a weight read per row (a tree costs its rows in these dtypes).
+ROW_BY_ROW = (torch.bfloat16, torch.float16)
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
 _POOL = Path(__file__).with_name("pool.h")  # included by both kernels' sources
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -291,8 +297,11 @@ def describe() -> dict:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through the small-M kernel when it applies (fp32 CPU, 2-D x of <= SMALL_M_MAX rows)
-    and the dispatch table does not send this weight shape to torch."""
+    and the dispatch table does not send this weight shape to torch; bf16/fp16 weights on the CPU
+    one row at a time up to SMALL_M_MAX rows (`ROW_BY_ROW`)."""
     op = _State.op
+    if weight.dtype in ROW_BY_ROW and x.dim() == 2 and 1 < x.shape[0] <= SMALL_M_MAX and x.device.type == "cpu":
+        return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if (op is None or x.dim() != 2 or x.shape[0] > SMALL_M_MAX or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous()
             or weight.shape in _State.torch_shapes
