@@ -26,11 +26,16 @@ def one_thread():
 @pytest.fixture
 def kernel_only(monkeypatch):
     """Every fp32 product in this process on the small-M kernel, whose rows are batch-invariant:
-    models tuned earlier in the process may have sent a weight shape a test shares to torch's GEMM
-    (a machine's timed table; a verifier then leaves batching off, verifier_service.server.load_target)."""
+    models tuned earlier in the process may have sent a weight shape a test shares to torch's GEMM,
+    and so may the models the test itself builds (a machine's timed table, which timing noise can
+    tip either way for tiny shapes; a verifier then leaves batching off,
+    verifier_service.server.load_target). `kernels.tune` is set aside as SPECMESH_KERNELS=1 does."""
     from specmesh import kernels
 
+    kernels.load()  # reads SPECMESH_KERNELS once per process: the mode set below stays
     monkeypatch.setattr(kernels._State, "torch_shapes", frozenset())
+    if kernels._State.mode == "auto":
+        monkeypatch.setattr(kernels._State, "mode", "1")
 
 
 @pytest.fixture(scope="module")

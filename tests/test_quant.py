@@ -99,7 +99,11 @@ def _tiny_target(fmt: str):
 
 
 @pytest.mark.parametrize("fmt", ("fp32",) + QUANT_FORMATS)
+@pytest.mark.usefixtures("kernel_only")
 def test_greedy_speculation_equals_plain_decoding_in_each_format(fmt):
+    # fp32 on the batch-invariant kernel whatever this machine's timed table says of the tiny shapes
+    # (torch's GEMM there is greedy-identical only up to ties); the formats' own products must be
+    # batch-invariant themselves (bf16: `kernels.ROW_BY_ROW`). Failed for bf16 before that at 1 thread.
     model = _tiny_target(fmt)
     assert model.weight_format.fmt == fmt
     assert any(isinstance(m, QuantLinear) for m in model.modules()) == (fmt != "fp32")
