@@ -48,6 +48,8 @@ unit, for the same shape (pipelining-on rows take their off twin's; from its dec
 `_gamma_c`); bounds E/max(v, γc) (pipelined) and E/(v + γc) (sequential), and the decode speedup
 as a fraction of the row's own. A pipelining-off row's γc is derived from its own step time, so
 its sequential "of bound" is near 1 by construction; the pipelined rows' is the one that tells.
+The JSON also has each row's `per_prompt`: every timed prompt's share of it (tokens/s, decode
+tokens/s, tokens a step, predraft hits, plain steps), where a ratio over all prompts hides one.
 
 Usage: python -m loadtest.bench_pairs [--pairs smollm2,qwen2.5-coder] [--prompts N] [--max-tokens N]
        [--quick] [--skip-peers] [--out FILE]        (also: specmesh bench pairs)
@@ -91,6 +93,19 @@ class Row(Config):
     ref_tokens: int = 0        # ... the verifier's tokens
     runner: object = field(default=None, repr=False)  # the model, drafter or binding it runs
     group: str = "services"    # services rows: the name prefix of their service set (`ServiceSet.prefix`)
+    per_prompt: list = field(default_factory=list)  # `PROMPT_FIELDS` of each timed prompt's run, in prompt order
+
+
+PROMPT_FIELDS = ("tokens", "seconds", "steps", "hits", "plain_steps", "decode_tokens", "decode_s")
+
+
+def run_prompt(r: Row, *args) -> list[int]:
+    """`run_row` for one timed prompt, its own share of the row's sums kept in `r.per_prompt`: a
+    row's ratio over all prompts can hide one prompt where a plan lost (prose against code)."""
+    before = [getattr(r, f) for f in PROMPT_FIELDS]
+    out = run_row(r, *args)
+    r.per_prompt.append({f: getattr(r, f) - b for f, b in zip(PROMPT_FIELDS, before)})
+    return out
 
 
 def service_rows(threads: str, prefix: str = "services") -> list[Row]:
@@ -291,11 +306,11 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
                     n if r.name in defaults else 4, stop, spec)
         first_ar = live[0]
         for pi, ids in enumerate(prompts):
-            ref = run_row(first_ar, address, ids, n, stop, spec)
+            ref = run_prompt(first_ar, address, ids, n, stop, spec)
             own_ref = {first_ar.group: ref}  # each service set's autoregressive output
             outs: dict[str, list[int]] = {}  # this prompt's outputs (an in-process none row precedes its twin)
             for r in live[1:]:
-                out = outs[r.name] = run_row(r, address, ids, n, stop, spec)
+                out = outs[r.name] = run_prompt(r, address, ids, n, stop, spec)
                 if r.sampled:
                     continue
                 if r.where == "tp1" and r.drafter == "none":  # another set's autoregressive row (first in its set)
@@ -377,6 +392,11 @@ def summarise(rows: list[Row], n_prompts: int) -> list[dict]:
                 d |= {"gamma_c": round(gc, 3), "gamma_c_from": twin.name, "pipelined_bound": round(pipe, 3),
                       "sequential_bound": round(seq, 3), "bound": "pipelined" if own is pipe else "sequential",
                       "of_bound": round(speedup / own, 3)}
+        d["per_prompt"] = [{"tokens": q["tokens"], "tokens_per_s": round(q["tokens"] / q["seconds"], 2),
+                            "decode_tokens_per_s": round(q["decode_tokens"] / q["decode_s"], 2) if q["decode_s"] > 0 else None,
+                            **({"steps": q["steps"], "tokens_per_step": round(q["tokens"] / q["steps"], 3),
+                                "predraft_hits": q["hits"], "plain_steps": q["plain_steps"]} if q["steps"] else {})}
+                           for q in r.per_prompt if q["seconds"] > 0]
         out.append(d)
     return out
 

@@ -56,6 +56,20 @@ def test_bounds_take_gamma_c_from_the_pipelining_off_twin_and_each_runtimes_own_
     assert c["pipelining_on_vs_off"] == {"services default pipelining on": pytest.approx(20.0 / 18.33, abs=1e-3)}
 
 
+def test_each_prompts_share_of_a_row_is_reported_apart() -> None:
+    r = Row("services default pipelining on", "tp1", "drafter", True, tokens=30, seconds=2.0, steps=12, hits=5,
+            per_prompt=[{"tokens": 20, "seconds": 1.0, "steps": 5, "hits": 4, "plain_steps": 0, "decode_tokens": 18,
+                         "decode_s": 0.9},
+                        {"tokens": 10, "seconds": 1.0, "steps": 7, "hits": 1, "plain_steps": 2, "decode_tokens": 9,
+                         "decode_s": 0.0}])
+    (d,) = [x for x in summarise([_rows()[0], r], 2) if x["name"] == r.name]
+    assert d["per_prompt"] == [
+        {"tokens": 20, "tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "steps": 5, "tokens_per_step": 4.0,
+         "predraft_hits": 4, "plain_steps": 0},
+        {"tokens": 10, "tokens_per_s": 10.0, "decode_tokens_per_s": None, "steps": 7, "tokens_per_step": 1.429,
+         "predraft_hits": 1, "plain_steps": 2}]
+
+
 def test_the_chain_ceiling_is_the_best_depth_at_free_verification() -> None:
     """From a chain-4 row: the per-token acceptance that gives its tokens per step, a quarter of
     its γc a level; the best chain depth when verification costs one row's step, drafting and
@@ -155,6 +169,12 @@ def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
     assert len(llama) == 4 and all(d["status"] == "ok" or d["status"].startswith(("not installed", "not offered"))
                                    for d in llama)
     assert pair["checks"]["greedy_identical"] is True
+    # each row's prompts apart, in prompt order, adding up to the row
+    for d in (d for d in pair["results"] if d["status"] == "ok"):
+        assert len(d["per_prompt"]) == len(meta["prompts"]), d["name"]
+        assert sum(q["tokens"] for q in d["per_prompt"]) == d["tokens"], d["name"]
+        if "steps" in d:
+            assert sum(q["steps"] for q in d["per_prompt"]) == d["steps"], d["name"]
     # a second set with a core per service, measured beside the first (where the machine has 2 cores)
     sets = pair["service_sets"]
     assert sets[0]["prefix"] == "services" and sets[0]["defaults_row"] == pair["defaults_row"]
