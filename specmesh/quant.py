@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specmesh import kernels
@@ -409,7 +408,7 @@ class QuantLinear(nn.Module):
         elif self.fmt == "int8":
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
-            y = kernels.linear(x2, self.weight)  # bf16: one row at a time up to SMALL_M_MAX (`kernels.linear`)
+            y = kernels.linear(x2, self.weight)  # bf16: a verification's rows one at a time (`kernels.ROW_BY_ROW`)
         y = y.float()  # [M, N]
         if self.bias is not None:
             y = y + self.bias

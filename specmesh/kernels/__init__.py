@@ -300,12 +300,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     and the dispatch table does not send this weight shape to torch; bf16/fp16 weights on the CPU
     one row at a time up to SMALL_M_MAX rows (`ROW_BY_ROW`)."""
     op = _State.op
-    if weight.dtype in ROW_BY_ROW and x.dim() == 2 and 1 < x.shape[0] <= SMALL_M_MAX and x.device.type == "cpu":
-        return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if (op is None or x.dim() != 2 or x.shape[0] > SMALL_M_MAX or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous()
             or weight.shape in _State.torch_shapes
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        if weight.dtype in ROW_BY_ROW and x.dim() == 2 and 1 < x.shape[0] <= SMALL_M_MAX and x.device.type == "cpu":
+            return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
         return F.linear(x, weight, bias)
     y = op(x, weight, pool_threads())
     return y if bias is None else y + bias
