@@ -63,6 +63,9 @@ class DrafterMetrics:
                     "runs, speculative steps, steps with drafting beside the verification (overlapped).",
                     lambda: {(v, kind): c.period_ratio(kind) for v, c in costs.by_verifier() for kind in PERIOD_KINDS},
                     ("verifier", "kind")))
+        r.add(Gauge(PREFIX + "tokens_calibration",
+                    "Recent sessions' trees: tokens accepted over what their acceptance rates expected (plans scale by it).",
+                    lambda: recent.tokens_calibration))
         r.add(Gauge(PREFIX + "acceptance", "Recent sessions' acceptance given the parent accepted and elder siblings not.",
                     lambda: {(str(d + 1), str(k)): recent.rate(d + 1, k) for d in range(len(recent.tried))
                              for k in range(len(recent.tried[d])) if recent.tried[d][k] > 0}, ("depth", "rank")))

@@ -13,7 +13,8 @@ predrafting, or no speculation at all (E = 1: a run of `plain_run` one-row steps
 takes without asking, whose tokens the drafter feeds in one call later, so the link is paid once
 a run), maximising expected tokens per second:
 - tokens per step E(shape) = 1 + sum over nodes of P(node accepted) on the shape's topology
-  (`grow_tree`'s, with the drafter's scores ranking siblings);
+  (`grow_tree`'s, with the drafter's scores ranking siblings), that sum scaled by how many tokens
+  the trees verified so far had accepted against what it gave them (`Acceptance.tokens_calibration`);
 - sequential: a step takes V + D (V = verification plus the link, D = drafting the tree);
 - pipelined with predrafts S: the predrafts take P(S) and run while the step is verified; on a hit
   (probability h(S): the outcome is in S and the bonus is one of the predraft's candidates, whose
@@ -47,6 +48,9 @@ MAX_RANKS = 8  # sibling ranks tracked (deeper ranks share the last)
 MAX_LEVELS = 17  # depths tracked (a predraft is one level deeper than a tree)
 PRIOR_ACCEPT = (0.5, 0.15)  # prior acceptance of rank 0 and of later ranks, before any evidence
 PRIOR_WEIGHT = 2.0  # observations the prior is worth
+CALIBRATION_PRIOR_TOKENS = 4.0  # accepted tokens (and as many expected) `tokens_calibration` starts from
+CALIBRATION_KEEP = 32.0  # expected tokens of that evidence a new session takes from its drafter's recent ones
+CALIBRATION_RANGE = (0.5, 1.5)
 # an overlapped plan is taken only when predicted this much faster than the best sequential one:
 # its prediction stacks more estimates (hit odds, the overlapped verification, its kind's period
 # ratio), and a miss costs a whole draft after the step, so a predicted near-tie loses on average
@@ -64,6 +68,11 @@ class Acceptance:
     # features, worse than its rank rates say; a model drafter may guess better)
     bonus_hits: float = 0.0
     bonus_expected: float = 0.0
+    # trees verified: the tokens they had accepted, against the sum of what `expected_tokens` gave
+    # each when it was sent (the rates behind a plan are estimates, and a plan is chosen where they
+    # look best: a session that drafts trees after a run of acceptance expects more than it gets)
+    tokens_seen: float = 0.0
+    tokens_expected: float = 0.0
 
     def rate(self, depth: int, rank: int) -> float:
         """Beta mean at (depth, rank), its prior the same rank pooled over every depth (itself
@@ -120,6 +129,20 @@ class Acceptance:
         """Observed over predicted bonus hits (PRIOR_WEIGHT observations of 1 before any)."""
         return (self.bonus_hits + PRIOR_WEIGHT) / (self.bonus_expected + PRIOR_WEIGHT)
 
+    def observe_tokens(self, expected: float, seen: int) -> None:
+        """A verified tree had `seen` tokens accepted where its rates expected `expected`."""
+        self.tokens_expected += expected
+        self.tokens_seen += float(seen)
+
+    @property
+    def tokens_calibration(self) -> float:
+        """Accepted over expected tokens of the trees verified (CALIBRATION_PRIOR_TOKENS of each
+        before any), within CALIBRATION_RANGE: `plan` scales each tree's expected accepted tokens
+        by it, as `Costs.period_ratio` scales its predicted step."""
+        low, high = CALIBRATION_RANGE
+        ratio = (self.tokens_seen + CALIBRATION_PRIOR_TOKENS) / (self.tokens_expected + CALIBRATION_PRIOR_TOKENS)
+        return min(high, max(low, ratio))
+
     def decay(self, total: float) -> None:
         """Halve the history once it holds more than `total` depth-1 trials (recent sessions count)."""
         if sum(self.tried[0]) > total:
@@ -128,13 +151,17 @@ class Acceptance:
                     row[:] = [0.5 * x for x in row]
             self.bonus_hits *= 0.5
             self.bonus_expected *= 0.5
+            self.tokens_seen *= 0.5
+            self.tokens_expected *= 0.5
 
     def scaled(self, total: float) -> "Acceptance":
         """A copy holding at most `total` observations at depth 1 (a prior for a new session)."""
         n = sum(self.tried[0]) or 1.0
         k = min(1.0, total / n)
+        # the calibration is the estimator's, not the prompt's: kept at up to CALIBRATION_KEEP tokens
+        c = min(1.0, CALIBRATION_KEEP / self.tokens_expected) if self.tokens_expected > 0 else 1.0
         return Acceptance([[k * x for x in row] for row in self.accepted], [[k * x for x in row] for row in self.tried],
-                          k * self.bonus_hits, k * self.bonus_expected)
+                          k * self.bonus_hits, k * self.bonus_expected, c * self.tokens_seen, c * self.tokens_expected)
 
 
 def _grid(v: float) -> list[list[float]]:
@@ -287,6 +314,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
     cands = [(budget_cap, depth_cap)] if fixed else shapes(budget_cap, depth_cap)
     table = rates(acc)
     calibration = acc.bonus_calibration
+    scale = acc.tokens_calibration
     best: Plan | None = None  # the best plan that overlaps nothing ...
     ahead: Plan | None = None  # ... and the best that puts drafter work beside the verification
     ratios = {k: costs.period_ratio(k) for k in PERIOD_KINDS}
@@ -301,7 +329,7 @@ def plan(costs: Costs, acc: Acceptance, budget_cap: int, depth_cap: int, pipelin
             ahead = _priced(ratios, step + feed, 0, 0, feed=True, run=run)
     for b, d in cands:
         t = topology(b, d)
-        e = expected_tokens(t, table)
+        e = min(1.0 + len(t.parents), 1.0 + scale * (expected_tokens(t, table) - 1.0))
         v = costs.verify_s(1 + len(t.parents), False) + costs.link_s
         # a fresh tree after a miss first feeds what the step committed (e - 1 tokens beyond the bonus)
         fresh = sharing * costs.draft(len(t.per_level), sum(t.per_level), e - 1.0, 1.0)

@@ -378,3 +378,33 @@ def test_each_verifier_is_planned_from_its_own_costs() -> None:
     for i in range(MAX_VERIFIERS):
         process.of_verifier(f"other {i}")
     assert "fast" not in dict(process.by_verifier()) and process.of_verifier("") is process
+
+
+def test_trees_accepting_less_than_their_rates_expect_are_priced_by_what_they_got() -> None:
+    """Rates that promise more than the verified trees delivered (a plan is chosen where the rates
+    look best: after a run of acceptance a session expects more than it gets) scale down each
+    tree's expected accepted tokens, and speculation that looked a little faster than plain
+    decoding is planned plain; trees that deliver what was expected keep the plan as it was."""
+    # a SmolLM2-like pair taking turns (ms: one-row step 4.5, a row more 0.8, a drafting level 1.0,
+    # the link 1.5): chains of 2 predicted 5% faster than plain runs of 16 at 0.62 a token
+    costs, acc = _costs(0.001, 0.0, 0.0045, 0.0008, link_s=0.0015, fed_s=0.00014), _acceptance(0.62)
+    honest = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16)
+    assert honest.budget >= 1 and acc.tokens_calibration == pytest.approx(1.0)
+    for _ in range(50):
+        acc.observe_tokens(1.0, 1)  # as expected: nothing changes
+    assert acc.tokens_calibration == pytest.approx(1.0)
+    assert plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16) == honest
+    for i in range(100):
+        acc.observe_tokens(1.0, 0 if i % 4 else 2)  # half of what was expected, on average
+    assert acc.tokens_calibration == pytest.approx((50 + 50 + 4) / (150 + 4))
+    low = plan(costs, acc, 8, 4, pipelined=False, batched=True, plain_run=16)
+    assert low.budget == 0
+    # a tree's expectation stays within what it can hold, and the ratio within CALIBRATION_RANGE
+    assert Acceptance(tokens_seen=1000.0, tokens_expected=10.0).tokens_calibration == 1.5
+    sure = _acceptance(0.99)
+    sure.tokens_seen, sure.tokens_expected = 1000.0, 10.0
+    assert plan(costs, sure, 4, 4, pipelined=False, batched=True, fixed=True).tokens_per_step == pytest.approx(5.0)
+    # a new session takes the recent sessions' verdict, at most CALIBRATION_KEEP tokens of it
+    prior = acc.scaled(4.0)
+    assert prior.tokens_expected == pytest.approx(32.0)
+    assert prior.tokens_calibration < 0.85

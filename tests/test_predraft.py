@@ -342,6 +342,34 @@ def test_the_link_is_measured_to_the_commits_arrival() -> None:
         assert fit(1.0, 5.0) == pytest.approx(0.01, rel=0.05)
 
 
+def test_each_verified_tree_counts_what_its_rates_expected_against_what_it_got() -> None:
+    """Every tree sent counts, at its commit, the accepted tokens the session's rates expected of
+    it when it went out against those the verifier accepted, in the session's acceptance and the
+    drafter's recent sessions' (`Acceptance.tokens_calibration`: the plans' expected tokens scale
+    by it); a plain run's empty tree counts nothing."""
+    from specmesh.planner import expected_tokens, rates, shape_of
+
+    ctx = list(CONTEXT)
+    recent = Acceptance()
+    ahead = DraftAhead(NgramDrafter().open(ctx), len(ctx), GREEDY, pipelined=False, costs=eager(), fixed=True,
+                       recent=recent)
+    st = ahead.first(8, 4)
+    assert st.tree.tokens
+    expected = expected_tokens(shape_of(st.tree.parents), rates(ahead.acceptance)) - 1.0
+    before = ahead.acceptance.tokens_expected
+    ahead.commit(0, [], 7, 8, 4)  # nothing accepted
+    assert ahead.acceptance.tokens_expected - before == pytest.approx(expected) and expected > 0
+    assert ahead.acceptance.tokens_seen == 0.0
+    assert recent.tokens_expected == pytest.approx(expected) and recent.tokens_seen == 0.0
+    assert ahead.acceptance.tokens_calibration < 1.0 and recent.tokens_calibration < 1.0
+    empty = DraftAhead(NgramDrafter().open([1, 2, 3]), 3, GREEDY, pipelined=False, costs=eager(), fixed=True,
+                       recent=Acceptance())
+    st = empty.first(8, 4)
+    assert not st.tree.tokens  # no n-gram match: an empty tree
+    empty.commit(0, [], 4, 8, 4)
+    assert empty.acceptance.tokens_expected == 0.0 and empty.recent.tokens_expected == 0.0
+
+
 def test_draft_ahead_errors() -> None:
     ahead = DraftAhead(NgramDrafter().open(list(CONTEXT)), len(CONTEXT), GREEDY, pipelined=False)
     ahead.first(8, 4)

@@ -159,6 +159,7 @@ class DraftAhead:
         self._caps = (0, 0)  # the (budget, depth) caps that plan is for
         self._lock = threading.RLock()  # reentrant: `plan` is planned under it on first use
         self._tree: DraftTree | None = None
+        self._expected = 0.0  # accepted tokens the rates expected of the tree last sent (`_send`)
         self._path: list[int] = []  # H: the main path's tokens of the tree last sent
         self._predrafts: dict[tuple[int, ...], Predraft] = {}  # H[:k] -> P_k (never replaced: it may be out)
         self._fresh: list[Predraft] = []  # made since the last take_fresh()
@@ -393,6 +394,10 @@ class DraftAhead:
         """What the commit of the tree last sent tells the planner: which of its nodes were
         accepted, the verification's cost by rows and the rest of the window (the link)."""
         assert self._tree is not None
+        if self._tree.tokens:
+            for acc in (self.acceptance, self.recent):
+                if acc is not None:
+                    acc.observe_tokens(self._expected, len(accepted))
         self._observe(self._tree.parents, _accepted_nodes(self._tree, accepted))
         if verify_s > 0:
             fit = self.costs.verify_overlapped if self._overlapped else self.costs.verify
@@ -571,6 +576,9 @@ class DraftAhead:
         self._probed = planned_tree and plan is self._probe
         self._plain_steps = 0 if tree.tokens else self._plain_steps + max(1, plain)
         self._tree = tree
+        # what this session's rates expect of the tree now, before its outcome counts (`_measure`)
+        self._expected = (planner.expected_tokens(planner.shape_of(tree.parents), planner.rates(self.acceptance)) - 1.0
+                          if tree.tokens else 0.0)
         self._path = [tree.tokens[i] for i in main_path(tree)]
         self._predrafts = {}
         self._fresh = []
