@@ -71,7 +71,7 @@ import torch
 from loadtest.bench_drafters import _load_shared, pick_prompts
 from loadtest.bench_engine import add_markdown_flag, base_meta, print_saved
 from loadtest.bench_services import Config, _timed, add_timed, generate_inproc, run_remote
-from specmesh.launch import start
+from specmesh.launch import SERVICE_ENV, service_env, start
 from specmesh.service import DEFAULT_DTYPE
 
 PAIRS = ("smollm2", "qwen2.5-coder")
@@ -108,15 +108,20 @@ def run_prompt(r: Row, *args) -> list[int]:
     return out
 
 
-def service_rows(threads: str, prefix: str = "services") -> list[Row]:
-    """The rows of one service set, named `{prefix} ...`."""
+SHAPES = (("default", 0, 0, False), ("chain 4", 4, 4, True), ("tree 8/4", 8, 4, True))
+
+
+def service_rows(threads: str, prefix: str = "services", full: bool = True) -> list[Row]:
+    """The rows of one service set, named `{prefix} ...`; not `full`: autoregressive and the
+    default shape only (a set that repeats another under another environment)."""
     rows = [Row(f"{prefix} autoregressive", "tp1", threads=threads, group=prefix)]
-    for shape, budget, depth, fixed in (("default", 0, 0, False), ("chain 4", 4, 4, True), ("tree 8/4", 8, 4, True)):
+    for shape, budget, depth, fixed in SHAPES if full else SHAPES[:1]:
         for pipe in (False, True):
             rows.append(Row(f"{prefix} {shape} pipelining {'on' if pipe else 'off'}", "tp1", "drafter", pipe,
                             budget=budget, depth=depth, fixed=fixed, shape=shape, threads=threads, group=prefix))
-    rows.append(Row(f"{prefix} defaults, sampled T={TEMPERATURE}", "tp1", "drafter", True, budget=0, depth=0,
-                    shape="default", sampled=True, threads=threads, group=prefix))
+    if full:
+        rows.append(Row(f"{prefix} defaults, sampled T={TEMPERATURE}", "tp1", "drafter", True, budget=0, depth=0,
+                        shape="default", sampled=True, threads=threads, group=prefix))
     return rows
 
 
@@ -135,17 +140,24 @@ class ServiceSet:
     drafter: int
     verifier: int
     prefix: str
+    env: tuple[tuple[str, str], ...] = ()  # over `specmesh.launch.service_env`, for both processes
+    full: bool = True                      # every row (`service_rows`)
 
 
-def service_sets(asked: list[int]) -> list[ServiceSet]:
+SPINNING = (("OMP_WAIT_POLICY", None),)  # unset: libgomp's default, its threads spin a while before they sleep
+
+
+def service_sets(asked: list[int], spinning: bool = False) -> list[ServiceSet]:
     """A set per `--service-threads` entry (0: `specmesh up`'s default threads), in that order; an
-    entry that comes to the same threads as an earlier one (on a one-core machine) is left out."""
+    entry that comes to the same threads as an earlier one (on a one-core machine) is left out.
+    `spinning`: then each again with SPINNING (`{prefix} spinning ...`, autoregressive and default rows)."""
     sets: list[ServiceSet] = []
     for a in asked:
         dt, vt = service_threads(a)
         if all((s.drafter, s.verifier) != (dt, vt) for s in sets):
             sets.append(ServiceSet(dt, vt, "services" if not sets else f"services {dt}+{vt}"))
-    return sets
+    return sets + [ServiceSet(s.drafter, s.verifier, f"{s.prefix} spinning", SPINNING, full=False)
+                   for s in sets if spinning]
 
 
 @dataclass
@@ -249,7 +261,7 @@ def format_rows(pair: LoadedPair, dtype: str, threads: int) -> list[Row]:
 
 def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, log=print,
                dtype: str = DEFAULT_DTYPE, services_only: bool = False, service_threads_asked: tuple[int, ...] | list[int] = (0,),
-               warm_text: str | None = None) -> dict:
+               warm_text: str | None = None, spinning: bool = False) -> dict:
     """Start the pair's services (weights as `dtype`), a service set per entry of
     `service_threads_asked` (`service_sets`), warm them up on `warm_text` (default: the first
     prompt), run every row on every prompt (interleaved), stop them; the pair's report. Greedy
@@ -268,8 +280,8 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
         loaded.rows[2:2] = format_rows(loaded, dtype, threads)
     from verifier_service.config import VerifierConfig
 
-    sets = service_sets(list(service_threads_asked))
-    rows = [r for s in sets for r in service_rows(f"drafter {s.drafter}, verifier {s.verifier}", s.prefix)]
+    sets = service_sets(list(service_threads_asked), spinning)
+    rows = [r for s in sets for r in service_rows(f"drafter {s.drafter}, verifier {s.verifier}", s.prefix, s.full)]
     rows += [] if services_only else loaded.rows
     live = [r for r in rows if r.status == "ok"]
     stop, spec = loaded.stop, SpecConfig()  # in-process: the engine's default caps, planned within
@@ -278,16 +290,18 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
     try:
         for s in sets:
             ps = procs[s.prefix] = {}
+            env = dict(s.env)
             ps["drafter"] = start("drafter_service", "--drafter", f"model:{loaded.drafter}", "--threads",
-                                  str(s.drafter), "--dtype", dtype)
+                                  str(s.drafter), "--dtype", dtype, env=env)
             verifier = ("verifier_service", "--threads", str(s.verifier), "--target", loaded.target, "--dtype", dtype,
                         "--drafter-allow", ps["drafter"].address)  # requests name it (drafter_address)
-            ps["tp1"] = start(*verifier)  # the defaults: --pipelining auto
+            ps["tp1"] = start(*verifier, env=env)  # the defaults: --pipelining auto
             pipelines = VerifierConfig(threads=s.verifier).pipelines(ps["drafter"].address)
             if not pipelines:  # the defaults take turns: the pipelining-on rows need a verifier told to pipeline
-                ps["tp1-pipe"] = start(*verifier, "--pipelining", "on")
+                ps["tp1-pipe"] = start(*verifier, "--pipelining", "on", env=env)
             described.append({
                 "prefix": s.prefix, "service_threads": {"drafter": s.drafter, "verifier": s.verifier},
+                "service_env": {k: service_env(env).get(k, "unset") for k in (*SERVICE_ENV, *env)},
                 "defaults_row": f"{s.prefix} default pipelining {'on' if pipelines else 'off'}",
                 "defaults_row_why": f"what a request without speculation options gets from a verifier with --threads "
                                     f"{s.verifier} and --pipelining auto, its drafter on 127.0.0.1 "
@@ -496,7 +510,24 @@ def machine_info() -> dict:
             "llama_cpp_python": llama, "llama_cpp_system_info": llama_build,
             "integer_kernel": qdot.describe(),  # this process's thread count; each service names its own at start
             "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})",
-            "glue": "specmesh kernels" if glue.available() else f"torch ops ({glue.reason()})"}
+            "glue": "specmesh kernels" if glue.available() else f"torch ops ({glue.reason()})",
+            "service_env": {k: service_env().get(k, "unset") for k in SERVICE_ENV}}  # what the service children ran with
+
+
+def passive_vs_spinning(results: list[dict], sets: list[dict]) -> dict:
+    """Per service set run again spinning (`--spinning`): its rows' tok/s over its spinning twin's."""
+    by = {d["name"]: d for d in results if d["status"] == "ok"}
+    out = {}
+    for s in sets:
+        twin = f"{s['prefix']} spinning"
+        ratios = {}
+        for row in ("autoregressive", "default pipelining off", "default pipelining on"):
+            a, b = by.get(f"{s['prefix']} {row}"), by.get(f"{twin} {row}")
+            if a and b:
+                ratios[row] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+        if ratios:
+            out[s["prefix"]] = ratios
+    return out
 
 
 def checks(results: list[dict], defaults: str, prefix: str = "services") -> dict:
@@ -576,7 +607,9 @@ def format_table(report: dict) -> str:
     m = report["meta"]
     lines = [f"commit {m['commit']} · {m['cpu_model']} (AVX2 {m['avx2']}, AVX-512 {bool(m['avx512'])}) · "
              f"{m['num_prompts']} held-out chat prompts (code and prose) x {m['max_tokens']} tokens, stop at EOS · "
-             f"services: {m['service_threads']} · in-process, transformers: {m['machine_threads']} threads"]
+             f"services: {m['service_threads']}, "
+             f"{' '.join(f'{k}={v}' for k, v in m.get('service_env', {}).items())} · "
+             f"in-process, transformers: {m['machine_threads']} threads"]
     for p in report["pairs"]:
         lines += ["", f"**{p['pair']}**" + (f": {p['status']}" if "results" not in p else
                                              f" ({Path(p['target']).name}, drafter {Path(p['drafter']).name})")]
@@ -611,6 +644,9 @@ def format_table(report: dict) -> str:
                              f"{ceiling['draft_level_cost']:.2f} steps): {ceiling['sequential_free_verification']:.2f}x "
                              f"taking turns (depth {ceiling['sequential_depth']}), "
                              f"{ceiling['pipelined_free_verification']:.2f}x pipelined (depth {ceiling['pipelined_depth']})")
+        for name, ratios in (p.get("passive_vs_spinning") or {}).items():
+            lines.append(f"\n{name}: waiting passively (the default) over spinning (OMP_WAIT_POLICY unset), tok/s: " +
+                         ", ".join(f"{row} {r:.2f}x" for row, r in ratios.items()))
     return "\n".join(lines)
 
 
@@ -644,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
                          "its processes, 0: what `specmesh up` gives them (the machine's cores each, taking "
                          "turns); default 0,1: that, and a core each (the drafter's own core standing for "
                          "its own hardware, as in the design's separate drafter pods)")
+    ap.add_argument("--spinning", action="store_true",
+                    help="also run each service set with OMP_WAIT_POLICY unset (libgomp's default: its threads "
+                         "spin a while after each parallel region, as before the services waited passively): "
+                         "its autoregressive and default rows, interleaved with the rest")
     ap.add_argument("--dtype", default=DEFAULT_DTYPE,
                     help="the services' weights (verifier and drafter --dtype; default auto, the services' own "
                          "default: measured here), and in-process rows in that format beside the fp32 ones")
@@ -675,10 +715,12 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_pair(pair, texts, n, threads, not (args.skip_peers or args.services_only),
                             log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
                             services_only=args.services_only, service_threads_asked=args.service_threads,
-                            warm_text=warm_text)
+                            warm_text=warm_text, spinning=args.spinning)
         report["checks"] = checks(report["results"], report["defaults_row"])  # the first set's
         report["checks_by_service_set"] = {s["prefix"]: checks(report["results"], s["defaults_row"], s["prefix"])
                                            for s in report["service_sets"]}
+        if args.spinning:
+            report["passive_vs_spinning"] = passive_vs_spinning(report["results"], report["service_sets"])
         report_pairs.append(report)
     has_fixed = "fixed" in verifier_pb2.SpeculationOptions.DESCRIPTOR.fields_by_name
     meta = base_meta() | machine_info() | {

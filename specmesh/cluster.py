@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specmesh import service_token
-from specmesh.launch import terminate
+from specmesh.launch import service_env, terminate
 from specmesh.redis_server import RedisServer, free_port, redacted, redis_server_binary
 from specmesh.service import DEFAULT_DTYPE
 
@@ -154,7 +154,7 @@ class Child:
 
 def spawn(name: str, argv: list[str], ready_pattern: re.Pattern | None, secrets_env: dict | None = None) -> Child:
     """`secrets_env`: variables set for the child only (secrets travel in the environment, not argv)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(secrets_env or {}))
+    env = service_env(secrets_env)
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              text=True, errors="replace", env=env, process_group=0)
     child = Child(name, popen, ready_pattern, argv=list(argv), secrets_env=dict(secrets_env or {}))

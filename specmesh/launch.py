@@ -13,6 +13,26 @@ import time
 from dataclasses import dataclass, field
 
 LISTEN = re.compile(r"listening on ([\d.]+):(\d+)")
+# Set for every service child unless the caller's environment sets it. Left unset, libgomp (torch's
+# intra-op pool) has its threads spin for a while after each parallel region, waiting for the next;
+# when services share cores (`specmesh up`'s default) that spin takes the CPU from the process that
+# has work (README, "Threads and pipelining", has the measurement). An OMP_WAIT_POLICY of the
+# caller's own is kept.
+SERVICE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def service_env(extra: dict | None = None) -> dict:
+    """The environment of a service child: ours, SERVICE_ENV where ours leaves it unset, then
+    `extra` (a None value removes the variable)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key, value in SERVICE_ENV.items():
+        env.setdefault(key, value)
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
 
 
 @dataclass
@@ -41,9 +61,10 @@ def terminate(popen: subprocess.Popen, timeout: float) -> int | None:
     return popen.returncode
 
 
-def start(module: str, *args: str, timeout: float = 180.0) -> Proc:
-    """`python -m module --port 0 args...`; wait for its 'listening on HOST:PORT' line."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def start(module: str, *args: str, timeout: float = 180.0, env: dict | None = None) -> Proc:
+    """`python -m module --port 0 args...` (`env`: variables over `service_env`'s); wait for its
+    'listening on HOST:PORT' line."""
+    env = service_env(env)
     p = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []

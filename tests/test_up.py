@@ -61,6 +61,18 @@ def test_auto_threads_give_each_service_the_cores_and_a_tp_rank_its_share(monkey
     assert parse("--target", "/x.gguf").cluster.drafter == "ngram"  # auto with another target
 
 
+def test_service_children_wait_passively_unless_the_environment_says_otherwise(monkeypatch):
+    from specmesh.launch import service_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = service_env({"SPECMESH_SERVICE_TOKEN": "t"})
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["SPECMESH_SERVICE_TOKEN"] == "t"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert "OMP_WAIT_POLICY" not in service_env({"OMP_WAIT_POLICY": None})  # a caller may unset it
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice wins
+    assert service_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 @pytest.mark.parametrize("argv, field", [
     (("--tp", "0"), "tp"), (("--drafters", "-1"), "drafters"), (("--drafter", "oracle:0.8"), "drafter"),
     (("--redis-url", "localhost:6379"), "redis_url"), (("--max-tokens", "0"), "max_tokens"),
@@ -144,6 +156,9 @@ def test_sigterm_stops_every_child_in_reverse_order():
             assert b"service-token" not in cmdline and b"SPECMESH_SERVICE_TOKEN" not in cmdline, cmdline
         for name in ("verifier", "drafter-0", "drafter-1"):  # model services get the cluster's --dtype
             assert b"--dtype\x00auto\x00" in Path(f"/proc/{pids[name]}/cmdline").read_bytes(), name
+            # and wait passively between parallel regions (they share the cores)
+            environ = Path(f"/proc/{pids[name]}/environ").read_bytes().split(b"\x00")
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ, name
         # the internal ports refuse a caller without the service token; their health stays open
         listed = {line.split()[0]: line.split()[1] for line in up.out if line.startswith("  ") and len(line.split()) > 1}
         with grpc.insecure_channel(listed["verifier"]) as ch:

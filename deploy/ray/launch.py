@@ -151,7 +151,9 @@ class ServiceActor:
     """Starts `python -m <module>` (plus sidecars) on its node and keeps them alive until stop()."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        from specmesh.launch import service_env
+
+        self.env = service_env(env)  # the node's environment, passive OpenMP waits (actors may share cores)
         self.procs: list[_Process] = []
 
     def node_ip(self) -> str:

@@ -125,6 +125,35 @@ def test_a_second_service_set_is_measured_against_its_own_autoregressive_row() -
     assert second["default_vs_faster_transformers"] == pytest.approx((22 / 1.2) / (11 / 0.8), abs=1e-2)
 
 
+def test_spinning_twins_repeat_each_set_with_its_default_rows_and_are_compared_to_it(monkeypatch) -> None:
+    from loadtest import bench_pairs
+    from loadtest.bench_pairs import passive_vs_spinning, service_rows, service_sets
+
+    monkeypatch.setattr(bench_pairs, "service_threads", lambda asked: (asked or 2, asked or 2))
+    sets = service_sets([0, 1], spinning=True)
+    assert [(s.prefix, s.env, s.full) for s in sets] == [
+        ("services", (), True), ("services 1+1", (), True),
+        ("services spinning", (("OMP_WAIT_POLICY", None),), False),
+        ("services 1+1 spinning", (("OMP_WAIT_POLICY", None),), False)]
+    assert [r.name for r in service_rows("x", "services spinning", full=False)] == [
+        "services spinning autoregressive", "services spinning default pipelining off",
+        "services spinning default pipelining on"]
+    assert [s.prefix for s in service_sets([0, 1])] == ["services", "services 1+1"]
+    rows = _rows()
+    rows[1:1] = [Row("services spinning autoregressive", "tp1", tokens=11, seconds=1.6, decode_tokens=10,
+                     decode_s=1.4, steps=11, verify_s=1.5, group="services spinning"),
+                 Row("services spinning default pipelining on", "tp1", "drafter", True, budget=0, depth=0, tokens=20,
+                     seconds=1.25, decode_tokens=18, decode_s=1.1, steps=8, verify_s=1.0, shape="default",
+                     group="services spinning")]
+    results = summarise(rows, 1)
+    got = passive_vs_spinning(results, [{"prefix": "services"}, {"prefix": "services 1+1"}])
+    assert got == {"services": {"autoregressive": pytest.approx(1.6 / 1.2, abs=1e-3),
+                                "default pipelining on": pytest.approx(1.25 / 1.0, abs=1e-3)}}
+    # each twin's own checks against its own autoregressive row, the first set's untouched
+    first = checks(results, "services default pipelining on")
+    assert first["default_vs_autoregressive"] == pytest.approx((20 / 1.0) / (11 / 1.2), abs=1e-2)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
@@ -136,6 +165,7 @@ def test_quick_mode_end_to_end(tmp_path, capsys) -> None:
                 "llama_cpp_python", "service_threads", "fixed_shapes_sent_as", "prompts"):
         assert key in meta, key
     assert meta["service_threads"].startswith("specmesh up's default")  # said in the output, as run
+    assert meta["service_env"] == {"OMP_WAIT_POLICY": "PASSIVE"}  # what the service children ran with
     (pair,) = report["pairs"]
     assert pair["pair"] == "smollm2"
     from specmesh.cluster import ClusterSpec
