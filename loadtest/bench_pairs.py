@@ -140,7 +140,7 @@ class ServiceSet:
     drafter: int
     verifier: int
     prefix: str
-    env: tuple[tuple[str, str], ...] = ()  # over `specmesh.launch.service_env`, for both processes
+    env: tuple[tuple[str, str | None], ...] = ()  # over `specmesh.launch.service_env` (None: unset), both processes
     full: bool = True                      # every row (`service_rows`)
 
 
@@ -301,7 +301,7 @@ def bench_pair(pair: str, texts: list[str], n: int, threads: int, peers: bool, l
                 ps["tp1-pipe"] = start(*verifier, "--pipelining", "on", env=env)
             described.append({
                 "prefix": s.prefix, "service_threads": {"drafter": s.drafter, "verifier": s.verifier},
-                "service_env": {k: service_env(env).get(k, "unset") for k in (*SERVICE_ENV, *env)},
+                "service_env": described_env(env),
                 "defaults_row": f"{s.prefix} default pipelining {'on' if pipelines else 'off'}",
                 "defaults_row_why": f"what a request without speculation options gets from a verifier with --threads "
                                     f"{s.verifier} and --pipelining auto, its drafter on 127.0.0.1 "
@@ -511,7 +511,13 @@ def machine_info() -> dict:
             "integer_kernel": qdot.describe(),  # this process's thread count; each service names its own at start
             "row_attention": "specmesh kernel" if attention.available() else f"SDPA per row ({attention.reason()})",
             "glue": "specmesh kernels" if glue.available() else f"torch ops ({glue.reason()})",
-            "service_env": {k: service_env().get(k, "unset") for k in SERVICE_ENV}}  # what the service children ran with
+            "service_env": described_env()}  # what the service children ran with
+
+
+def described_env(extra: dict | None = None) -> dict:
+    """SERVICE_ENV's variables, and `extra`'s, as a service child started with `extra` has them."""
+    child = service_env(extra)
+    return {k: child.get(k, "unset") for k in (*SERVICE_ENV, *(extra or {}))}
 
 
 def passive_vs_spinning(results: list[dict], sets: list[dict]) -> dict:
